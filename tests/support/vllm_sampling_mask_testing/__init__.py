@@ -1,0 +1,1 @@
+"""Test-only support: vLLM's CPU platform and Model Runner V2 under the Triton interpreter."""

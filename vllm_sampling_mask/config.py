@@ -1,0 +1,51 @@
+"""The engine switch, carried in ``VllmConfig.additional_config`` (vLLM's configs forbid new fields).
+
+Keys (all optional; the CLI flag and the ``LLM``/``EngineArgs`` keyword write the first):
+
+``return_sampling_mask`` (bool, default False)
+    Record, for every generated token, the ascending vocabulary ids whose processed logit was
+    finite, and return them as ``CompletionOutput.sampling_mask``.
+``sampling_mask_max_width`` (int, default ``DEFAULT_MAX_WIDTH``)
+    Cap on the compact per-row width W the GPU copies back each step. Rows wider than W (top-k
+    boundary ties, top_k above the cap) are still returned exactly, through a bit-packed fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ENABLE_KEY = "return_sampling_mask"
+MAX_WIDTH_KEY = "sampling_mask_max_width"
+DEFAULT_MAX_WIDTH = 4096
+REQUIRED_LOGPROBS_MODE = "processed_logprobs"
+
+
+@dataclass(frozen=True)
+class SamplingMaskConfig:
+    """Parsed sampling-mask settings of one engine."""
+
+    enabled: bool = False
+    max_width: int = DEFAULT_MAX_WIDTH
+
+    @classmethod
+    def from_additional_config(cls, additional_config: dict[str, Any] | None) -> SamplingMaskConfig:
+        """Parse and validate our keys; raises ``ValueError`` naming the bad key."""
+        additional_config = additional_config or {}
+        enabled = additional_config.get(ENABLE_KEY, False)
+        if not isinstance(enabled, bool):
+            raise ValueError(
+                f"additional_config[{ENABLE_KEY!r}] must be a bool, got {enabled!r}. "
+                f"Use --return-sampling-mask or {{\"{ENABLE_KEY}\": true}}."
+            )
+        max_width = additional_config.get(MAX_WIDTH_KEY, DEFAULT_MAX_WIDTH)
+        if isinstance(max_width, bool) or not isinstance(max_width, int) or max_width < 1:
+            raise ValueError(
+                f"additional_config[{MAX_WIDTH_KEY!r}] must be a positive int, got {max_width!r}."
+            )
+        return cls(enabled=enabled, max_width=max_width)
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> SamplingMaskConfig:
+        """Settings of the engine described by a ``VllmConfig``."""
+        return cls.from_additional_config(getattr(vllm_config, "additional_config", None))

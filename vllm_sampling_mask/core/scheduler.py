@@ -1,0 +1,60 @@
+"""Cut each step's mask rows per request (extends ``vllm/v1/core/sched/scheduler.py``).
+
+``update_from_output`` trims every request's new tokens (EOS, stop tokens, max_tokens,
+max_model_len) and drops stale async frames; it always keeps a *prefix* of the step's sampled
+tokens. So the rows of an output are the first ``len(new_token_ids)`` rows of its request's batch
+row: with one sampled token per request per step (speculative decoding is rejected at start),
+one row or none. Partial prefill chunks produce no tokens and so no rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from vllm_sampling_mask.config import SamplingMaskConfig
+from vllm_sampling_mask.engine.transport import SamplingMaskRows
+
+
+def wrap_init(original: Any) -> Any:
+    """``Scheduler.__init__``: remember the switch; refuse a runner that can't capture masks."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, vllm_config, *args, **kwargs)
+        enabled = SamplingMaskConfig.of(vllm_config).enabled
+        if enabled and not vllm_config.use_v2_model_runner:
+            raise ValueError(
+                "--return-sampling-mask requires Model Runner V2, but this engine uses the V1 "
+                "runner. Set VLLM_USE_V2_MODEL_RUNNER=1."
+            )
+        self.__dict__["sampling_mask_enabled"] = enabled
+
+    return __init__
+
+
+def wrap_update_from_output(original: Any) -> Any:
+    """``Scheduler.update_from_output`` plus ``EngineCoreOutput.sampling_mask`` per request."""
+
+    @functools.wraps(original)
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = original(self, scheduler_output, model_runner_output)
+        if not self.__dict__.get("sampling_mask_enabled"):
+            return outputs
+        step = getattr(model_runner_output, "sampling_masks", None)
+        index = model_runner_output.req_id_to_index
+        for engine_core_outputs in outputs.values():
+            for output in engine_core_outputs.outputs:
+                num_new = len(output.new_token_ids)
+                if num_new == 0:
+                    continue
+                if step is None or num_new != 1:
+                    raise RuntimeError(
+                        f"sampling masks lost for request {output.request_id}: the step produced "
+                        f"{num_new} token(s) but {'no masks' if step is None else 'one row'}. "
+                        "This is a bug in vllm-sampling-mask; please report it."
+                    )
+                output.sampling_mask = SamplingMaskRows.from_step(step, index[output.request_id])
+        return outputs
+
+    return update_from_output

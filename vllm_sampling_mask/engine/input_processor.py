@@ -1,0 +1,83 @@
+"""Per-request checks (extends ``vllm/v1/engine/input_processor.py`` and the beam-search mixins).
+
+With masks on, a request must describe a distribution whose support is bounded: temperature > 0
+(greedy has no distribution to replay) and top_k > 0 (bounds every row's width). A violation is a
+``ValueError`` for that request only (HTTP 400 in the server); the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from vllm_sampling_mask.config import SamplingMaskConfig
+
+_SWITCH = "the engine returns sampling masks (--return-sampling-mask)"
+
+
+def check_sampling_params(params: Any) -> None:
+    """Raise ``ValueError`` naming the parameter if ``params`` can't carry a mask."""
+    if params.temperature <= 0:
+        raise ValueError(
+            f"temperature must be > 0 when {_SWITCH}, got {params.temperature}: greedy decoding "
+            "has no sampling distribution to replay. Use temperature > 0 (e.g. 1.0)."
+        )
+    if params.top_k is None or params.top_k <= 0:
+        raise ValueError(
+            f"top_k must be > 0 when {_SWITCH}, got {params.top_k}: it bounds the size of every "
+            "mask row. Set top_k (e.g. 50; up to the vocabulary size)."
+        )
+
+
+def _masks_enabled(holder: Any, vllm_config: Any) -> bool:
+    enabled = holder.__dict__.get("_sampling_mask_enabled")
+    if enabled is None:
+        enabled = SamplingMaskConfig.of(vllm_config).enabled
+        holder.__dict__["_sampling_mask_enabled"] = enabled
+    return enabled
+
+
+def wrap_validate_params(original: Any) -> Any:
+    """``InputProcessor._validate_params`` plus our per-request checks."""
+    from vllm.sampling_params import SamplingParams
+
+    @functools.wraps(original)
+    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, params, *args, **kwargs)
+        if isinstance(params, SamplingParams) and _masks_enabled(self, self.vllm_config):
+            check_sampling_params(params)
+
+    return _validate_params
+
+
+_BEAM_SEARCH_ERROR = (
+    f"beam search is not supported when {_SWITCH}: beams are chosen by cumulative logprob, "
+    "not sampled from the filtered distribution, so there is no mask to replay. Use sampling "
+    "(temperature > 0, top_k > 0) or an engine without --return-sampling-mask."
+)
+
+
+def wrap_offline_beam_search(original: Any) -> Any:
+    """``LLM.beam_search`` refused with a clear error when masks are on."""
+
+    @functools.wraps(original)
+    def beam_search(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _masks_enabled(self, self.llm_engine.vllm_config):
+            raise ValueError(_BEAM_SEARCH_ERROR)
+        return original(self, *args, **kwargs)
+
+    return beam_search
+
+
+def wrap_online_beam_search(original: Any) -> Any:
+    """The server's beam search (an async generator) refused the same way."""
+
+    @functools.wraps(original)
+    async def beam_search(self: Any, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        if _masks_enabled(self, self.engine_client.vllm_config):
+            raise ValueError(_BEAM_SEARCH_ERROR)
+        async for output in original(self, *args, **kwargs):
+            yield output
+
+    return beam_search

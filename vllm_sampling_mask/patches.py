@@ -1,0 +1,178 @@
+"""Every vLLM symbol this plugin patches, and why: the one list (``PATCHES``).
+
+Written for vLLM 0.26.x (``patching.SUPPORTED_VLLM_SERIES``); all of it goes once vLLM >= 0.28
+(native ``--return-sampling-mask``) is the floor. ``process`` names where the patch matters:
+``frontend`` (API server / ``LLM`` process), ``engine-core`` (scheduler process), ``worker``
+(model runner processes). Every process installs the whole list: each wrapper does nothing
+unless its engine's switch is on. Tests check that every entry resolves and reverts.
+"""
+
+from __future__ import annotations
+
+from vllm_sampling_mask.patching import Patch
+
+_P = "vllm_sampling_mask"
+
+PATCHES: list[Patch] = [
+    # --- config / CLI (frontend) ---
+    Patch(
+        target="vllm.engine.arg_utils:EngineArgs.__init__",
+        make=f"{_P}.engine.arg_utils:wrap_init",
+        why="LLM(..., return_sampling_mask=True) and EngineArgs(return_sampling_mask=True): "
+        "pydantic configs forbid new fields, so the keyword folds into additional_config.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.engine.arg_utils:AsyncEngineArgs.__init__",
+        make=f"{_P}.engine.arg_utils:wrap_init",
+        why="Same keyword for AsyncEngineArgs (a dataclass subclass has its own __init__).",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.engine.arg_utils:EngineArgs.add_cli_args",
+        make=f"{_P}.engine.arg_utils:wrap_add_cli_args",
+        why="--return-sampling-mask in `vllm serve` (AsyncEngineArgs.add_cli_args calls it).",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.engine.arg_utils:EngineArgs.from_cli_args",
+        make=f"{_P}.engine.arg_utils:wrap_from_cli_args",
+        why="from_cli_args keeps only dataclass fields; carry the flag into additional_config.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.engine.arg_utils:EngineArgs.create_engine_config",
+        make=f"{_P}.engine.arg_utils:wrap_create_engine_config",
+        why="Engine-start checks before any model loads; select Model Runner V2 explicitly.",
+        process="frontend",
+    ),
+    # --- per-request validation (frontend) ---
+    Patch(
+        target="vllm.v1.engine.input_processor:InputProcessor._validate_params",
+        make=f"{_P}.engine.input_processor:wrap_validate_params",
+        why="temperature > 0 and top_k > 0 per request (ValueError / HTTP 400 for that request).",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.entrypoints.generate.beam_search.offline:BeamSearchOfflineMixin.beam_search",
+        make=f"{_P}.engine.input_processor:wrap_offline_beam_search",
+        why="LLM.beam_search has no sampled distribution: a clear error instead of a top_k one.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.entrypoints.generate.beam_search.online:BeamSearchOnlineMixin.beam_search",
+        make=f"{_P}.engine.input_processor:wrap_online_beam_search",
+        why="The server's beam search, refused the same way.",
+        process="frontend",
+    ),
+    # --- worker: capture and async copy ---
+    Patch(
+        target="vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model",
+        make=f"{_P}.worker.sampler:wrap_load_model",
+        why="Attach the capture to the MRV2 sampler (built in load_model) and turn off its "
+        "FlashInfer path, which never materialises the filtered logits.",
+        process="worker",
+    ),
+    Patch(
+        target="vllm.v1.worker.gpu.sample.sampler:Sampler.sample",
+        make=f"{_P}.worker.sampler:wrap_sample",
+        why="The processed logits after top-k/top-p exist only here: compact them (Triton).",
+        process="worker",
+    ),
+    Patch(
+        target="vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
+        make=f"{_P}.worker.sampler:wrap_call",
+        why="Hand the step's device masks to SamplerOutput (a plain dataclass).",
+        process="worker",
+    ),
+    Patch(
+        target="vllm.v1.worker.gpu.async_utils:AsyncOutput.__init__",
+        make=f"{_P}.worker.async_output:wrap_init",
+        why="Device->host copy on the copy stream, covered by vLLM's own copy event.",
+        process="worker",
+    ),
+    Patch(
+        target="vllm.v1.worker.gpu.async_utils:AsyncOutput.get_output",
+        make=f"{_P}.worker.async_output:wrap_get_output",
+        why="Unpack the host copy into CSR rows on ModelRunnerOutput.sampling_masks.",
+        process="worker",
+    ),
+    # --- engine core: per-request slicing and transport ---
+    Patch(
+        target="vllm.v1.core.sched.scheduler:Scheduler.__init__",
+        make=f"{_P}.core.scheduler:wrap_init",
+        why="Remember the switch; refuse a V1-runner engine (scripts bypassing EngineArgs).",
+        process="engine-core",
+    ),
+    Patch(
+        target="vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+        make=f"{_P}.core.scheduler:wrap_update_from_output",
+        why="Cut the batch's rows per request by the final, trimmed number of new tokens.",
+        process="engine-core",
+    ),
+    Patch(
+        target="vllm.v1.core.sched.scheduler:EngineCoreOutput",
+        make=f"{_P}.engine.transport:replace_engine_core_output",
+        why="The scheduler's outputs are built as our msgspec subclass with a trailing "
+        "sampling_mask field (omitted from the wire when None).",
+        process="engine-core",
+    ),
+    Patch(
+        target="vllm.v1.engine.core_client:EngineCoreOutputs",
+        make=f"{_P}.engine.transport:replace_engine_core_outputs",
+        why="The client's MsgpackDecoder is typed with this binding; typed with vLLM's class it "
+        "would silently drop the mask field.",
+        process="frontend",
+    ),
+    # --- frontend: accumulation and user-facing output ---
+    Patch(
+        target="vllm.v1.engine.llm_engine:LLMEngine.__init__",
+        make=f"{_P}.engine.transport:wrap_engine_init",
+        why="Check the decoder keeps masks before start; switch the output processor on.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.v1.engine.async_llm:AsyncLLM.__init__",
+        make=f"{_P}.engine.transport:wrap_engine_init",
+        why="Same for the server's engine client.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.v1.engine.output_processor:OutputProcessor.add_request",
+        make=f"{_P}.engine.output_processor:wrap_add_request",
+        why="Every request of a mask engine gets a row list (empty masks for 0-token outputs).",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.v1.engine.output_processor:OutputProcessor.process_outputs",
+        make=f"{_P}.engine.output_processor:wrap_process_outputs",
+        why="Append each step's rows to the request state before outputs are built.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.v1.engine.output_processor:RequestState._new_completion_output",
+        make=f"{_P}.engine.output_processor:wrap_new_completion_output",
+        why="Attach SamplingMask aligned with token_ids (all rows, or the delta's rows).",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.outputs:RequestOutput.add",
+        make=f"{_P}.engine.output_processor:wrap_request_output_add",
+        why="Coalesced streaming deltas merge masks (vLLM copies only text/tokens/logprobs).",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.outputs:CompletionOutput.sampling_mask",
+        make=f"{_P}.engine.output_processor:add_completion_output_field",
+        why="CompletionOutput.sampling_mask reads None where no mask was attached (flag off).",
+        process="frontend",
+        adds=True,
+    ),
+    Patch(
+        target="vllm.outputs:SamplingMask",
+        make=f"{_P}.engine.output_processor:export_sampling_mask_type",
+        why="`from vllm.outputs import SamplingMask`, as in vLLM >= 0.28.",
+        process="frontend",
+        adds=True,
+    ),
+]

@@ -1,0 +1,233 @@
+"""The mechanism behind our patches of vLLM symbols (the list itself is in ``patches.py``).
+
+A ``Patch`` names one vLLM attribute (``module:Qualified.name``), every other module-level
+binding of the same object that must change with it, the vLLM versions it was written for, and
+why. ``apply_patches`` installs each patch as soon as its module is imported (an import hook
+defers patches whose module is not imported yet), exactly once per process: applying again is a
+no-op, so every process may call it from any plugin entry point. ``revert_patches`` restores the
+originals (tests use it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+SUPPORTED_VLLM_SERIES = "0.26"
+"""Our patches were written against vLLM 0.26.x sources and are refused on anything else."""
+
+NATIVE_SUPPORT_VERSION = (0, 28)
+
+_MARK = "__vllm_sampling_mask_patch__"
+
+
+class UnsupportedVllmVersionError(RuntimeError):
+    """Raised when the installed vLLM is not one the patches were written for."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise ``UnsupportedVllmVersionError`` unless ``version`` is a vLLM 0.26.x release."""
+    parts = version.split("+")[0].split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        major_minor = None
+    if major_minor is not None and ".".join(parts[:2]) == SUPPORTED_VLLM_SERIES:
+        return
+    if major_minor is not None and major_minor >= NATIVE_SUPPORT_VERSION:
+        hint = (
+            "vLLM >= 0.28 ships sampling masks natively (--return-sampling-mask): "
+            "uninstall vllm-sampling-mask and use vLLM's own feature."
+        )
+    else:
+        hint = "Install vllm==0.26.0 (pip install 'vllm==0.26.*')."
+    raise UnsupportedVllmVersionError(
+        f"vllm-sampling-mask supports vLLM {SUPPORTED_VLLM_SERIES}.x only, got vLLM {version}. "
+        f"{hint}"
+    )
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One patched vLLM attribute.
+
+    ``target`` is ``"module:attr"`` or ``"module:Class.attr"``. ``make`` (``"module:function"``,
+    imported only when the patch is installed) receives the original object and returns its
+    replacement (a wrapper that calls the original, or a subclass).
+    ``also_bound_in`` lists other modules that did ``from module import attr`` and whose binding
+    must be replaced too. ``adds`` marks a new attribute (``make`` then receives ``None``). ``process`` says where the patch matters (documentation and tests).
+    """
+
+    target: str
+    make: str
+    why: str
+    process: str
+    also_bound_in: tuple[str, ...] = ()
+    adds: bool = False
+    remove_when: str = "vLLM >= 0.28 (native sampling masks)"
+
+    @property
+    def module(self) -> str:
+        return self.target.split(":")[0]
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(self.target.split(":")[1].split("."))
+
+
+@dataclass
+class _AppliedPatch:
+    patch: Patch
+    original: Any
+    replacement: Any
+    rebound: list[tuple[ModuleType, str]] = field(default_factory=list)
+
+
+_MISSING = object()
+_applied: dict[str, _AppliedPatch] = {}
+_pending: dict[str, list[Patch]] = {}
+_lock = threading.RLock()
+
+
+def resolve_owner(patch: Patch, module: ModuleType) -> tuple[Any, str]:
+    """Return ``(object holding the attribute, attribute name)`` for ``patch``."""
+    owner: Any = module
+    for name in patch.path[:-1]:
+        owner = getattr(owner, name)
+    return owner, patch.path[-1]
+
+
+def _raw_attr(owner: Any, name: str) -> Any:
+    # Class attributes are read from __dict__ so staticmethod/classmethod wrappers are kept.
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if name in klass.__dict__:
+                return klass.__dict__[name]
+        raise AttributeError(f"{owner.__qualname__} has no attribute {name!r}")
+    return getattr(owner, name)
+
+
+def _resolve(dotted: str) -> Callable[[Any], Any]:
+    module_name, _, attr = dotted.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _install(patch: Patch, module: ModuleType) -> None:
+    with _lock:
+        if patch.target in _applied:
+            return
+        owner, name = resolve_owner(patch, module)
+        if patch.adds:
+            if hasattr(owner, name):
+                raise RuntimeError(f"{patch.target} already exists: this vLLM is not the one the patch was written for")
+            original = _MISSING
+        else:
+            original = _raw_attr(owner, name)
+        if getattr(original, _MARK, None) == patch.target:
+            return
+        replacement = _resolve(patch.make)(None if original is _MISSING else original)
+        try:
+            setattr(replacement, _MARK, patch.target)
+        except (AttributeError, TypeError):  # e.g. staticmethod objects on old Pythons
+            pass
+        setattr(owner, name, replacement)
+        record = _AppliedPatch(patch, original, replacement)
+        for other in patch.also_bound_in:
+            other_module = importlib.import_module(other)
+            if getattr(other_module, name, None) is original:
+                setattr(other_module, name, replacement)
+                record.rebound.append((other_module, name))
+        _applied[patch.target] = record
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs pending patches right after their module finishes executing."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find else None
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, fullname)
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, fullname: str):
+        self._loader = loader
+        self._fullname = fullname
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        with _lock:
+            patches = _pending.pop(self._fullname, [])
+        for patch in patches:
+            _install(patch, module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ... for tools
+        return getattr(self._loader, name)
+
+
+_finder = _PostImportFinder()
+
+
+def apply_patches(patches: list[Patch]) -> None:
+    """Install every patch now or as soon as its module is imported. Idempotent."""
+    with _lock:
+        for patch in patches:
+            if patch.target in _applied:
+                continue
+            module = sys.modules.get(patch.module)
+            if module is not None and getattr(module, "__spec__", None) is not None and not _is_initializing(module):
+                _install(patch, module)
+            elif patch not in _pending.setdefault(patch.module, []):
+                _pending[patch.module].append(patch)
+        if _pending and _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
+
+
+def _is_initializing(module: ModuleType) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def applied_targets() -> list[str]:
+    """Targets installed in this process, in installation order."""
+    return list(_applied)
+
+
+def original_of(target: str) -> Any:
+    """The vLLM object a patch replaced (raises ``KeyError`` if not applied)."""
+    return _applied[target].original
+
+
+def revert_patches() -> None:
+    """Restore every original and forget pending patches (tests)."""
+    with _lock:
+        for target, record in reversed(list(_applied.items())):
+            module = sys.modules[record.patch.module]
+            owner, name = resolve_owner(record.patch, module)
+            if record.original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, record.original)
+            for other_module, other_name in record.rebound:
+                setattr(other_module, other_name, record.original)
+            del _applied[target]
+        _pending.clear()
+        if _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)

@@ -1,0 +1,58 @@
+"""Device->host copy of masks with the sampled tokens (extends ``vllm/v1/worker/gpu/async_utils.py``).
+
+Our copies are issued on vLLM's copy stream *before* ``AsyncOutput.__init__`` records its copy
+event, so that one event covers them: no extra sync, and ``get_output`` (which waits on the event)
+finds them complete. The device tensors stay referenced through ``sampler_output`` (held by the
+``AsyncOutput``) until then.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from vllm_sampling_mask.worker.step_masks import HostStepMasks
+
+_HOST_ATTR = "_sampling_mask_host"
+
+
+def wrap_init(original: Any) -> Any:
+    """``AsyncOutput.__init__`` plus the async copy of ``sampler_output.sampling_mask``."""
+    from vllm.v1.worker.gpu.async_utils import stream
+
+    @functools.wraps(original)
+    def __init__(
+        self: Any,
+        model_runner_output: Any,
+        sampler_output: Any,
+        num_sampled_tokens: Any,
+        main_stream: Any,
+        copy_stream: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        device_masks = getattr(sampler_output, "sampling_mask", None)
+        if device_masks is not None:
+            with stream(copy_stream, main_stream):
+                copy_stream.wait_stream(main_stream)
+                self.__dict__[_HOST_ATTR] = device_masks.copy_to_host_nonblocking()
+        original(
+            self, model_runner_output, sampler_output, num_sampled_tokens, main_stream,
+            copy_stream, *args, **kwargs,
+        )
+
+    return __init__
+
+
+def wrap_get_output(original: Any) -> Any:
+    """``AsyncOutput.get_output`` plus ``ModelRunnerOutput.sampling_masks`` (host CSR rows)."""
+
+    @functools.wraps(original)
+    def get_output(self: Any) -> Any:
+        output = original(self)  # waits on the copy event
+        host: HostStepMasks | None = self.__dict__.pop(_HOST_ATTR, None)
+        if host is not None:
+            output.sampling_masks = host.unpack(self.num_sampled_tokens_np)
+        return output
+
+    return get_output

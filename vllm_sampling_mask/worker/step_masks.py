@@ -1,0 +1,93 @@
+"""Host side of one step's masks: device results -> async copy -> CSR rows (numpy, vectorised)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_sampling_mask.worker.compaction import CompactSupport
+
+
+@dataclass
+class StepSamplingMasks:
+    """The kept ids of every row (request) of one step, as CSR on the host.
+
+    row_lengths: ``[R]`` int32; 0 for rows that sampled nothing (partial prefill chunks).
+    token_ids:   ``[sum(row_lengths)]`` int32, rows concatenated in batch order.
+    offsets:     ``[R + 1]`` int64, row ``r`` is ``token_ids[offsets[r]:offsets[r + 1]]``.
+    """
+
+    row_lengths: np.ndarray
+    token_ids: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def from_lengths(cls, row_lengths: np.ndarray, token_ids: np.ndarray) -> StepSamplingMasks:
+        offsets = np.zeros(row_lengths.size + 1, dtype=np.int64)
+        np.cumsum(row_lengths, out=offsets[1:])
+        return cls(row_lengths, token_ids, offsets)
+
+    def row(self, index: int) -> np.ndarray:
+        """``[row_lengths[index]]`` int32 view of one row."""
+        return self.token_ids[self.offsets[index] : self.offsets[index + 1]]
+
+
+@dataclass
+class DeviceStepMasks:
+    """One step's compaction on the device, kept alive until its host copy is consumed.
+
+    ``overflow_expected`` is known on the host from the requests' top_k (some top_k exceeds the
+    width): the whole bitmap is then copied with the ids instead of being fetched afterwards.
+    """
+
+    support: CompactSupport
+    overflow_expected: bool
+
+    def copy_to_host_nonblocking(self) -> HostStepMasks:
+        """Issue device->host copies on the current stream (the caller's copy stream)."""
+        s = self.support
+        bits = s.bits.to("cpu", non_blocking=True) if self.overflow_expected else None
+        return HostStepMasks(
+            ids=s.ids.to("cpu", non_blocking=True),
+            counts=s.counts.to("cpu", non_blocking=True),
+            bits=bits,
+            device=self,
+        )
+
+
+@dataclass
+class HostStepMasks:
+    """Host tensors being filled by the async copy; read only after the copy event fired."""
+
+    ids: torch.Tensor
+    counts: torch.Tensor
+    bits: torch.Tensor | None
+    device: DeviceStepMasks
+
+    def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
+        """CSR rows; ``num_sampled`` ``[R]`` int, rows with 0 sampled tokens yield nothing."""
+        ids = self.ids.numpy()
+        counts = self.counts.numpy().astype(np.int32, copy=True)
+        counts[np.asarray(num_sampled[: counts.size]) == 0] = 0
+        width = ids.shape[1]
+        overflow = np.flatnonzero(counts > width)
+        if overflow.size == 0:
+            # Common case: boolean indexing of [R, W] walks rows in order, i.e. concatenates them.
+            token_ids = ids[np.arange(width)[None, :] < counts[:, None]]
+            return StepSamplingMasks.from_lengths(counts, token_ids.astype(np.int32, copy=False))
+        return StepSamplingMasks.from_lengths(counts, self._with_overflow_rows(ids, counts, overflow))
+
+    def _with_overflow_rows(self, ids: np.ndarray, counts: np.ndarray, overflow: np.ndarray) -> np.ndarray:
+        vocab_size = self.device.support.vocab_size
+        if self.bits is not None:
+            bits = self.bits.numpy()[overflow]
+        else:
+            # Rare (top-k ties on the PyTorch top-k path): fetch only the overflowing rows.
+            index = torch.from_numpy(overflow).to(self.device.support.bits.device)
+            bits = self.device.support.bits.index_select(0, index).cpu().numpy()
+        kept = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        wide_rows = {int(r): np.flatnonzero(k).astype(np.int32) for r, k in zip(overflow, kept)}
+        rows = [wide_rows[r] if r in wide_rows else ids[r, : counts[r]] for r in range(counts.size)]
+        return np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
