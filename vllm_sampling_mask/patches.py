@@ -175,4 +175,78 @@ PATCHES: list[Patch] = [
         process="frontend",
         adds=True,
     ),
+    # --- entrypoints (HTTP) ---
+    Patch(
+        target="vllm.entrypoints.scale_out.token_in_token_out.serving:ServingTokens.serve_tokens",
+        make=f"{_P}.entrypoints.token_in_token_out:wrap_serve_tokens",
+        why="/inference/v1/generate: read and validate the mask fields (GenerateRequest drops "
+        "unknown fields, so from the cached JSON body); HTTP 400 on a bad one.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.entrypoints.scale_out.token_in_token_out.serving:"
+        "ServingTokens.serve_tokens_full_generator",
+        make=f"{_P}.entrypoints.token_in_token_out:wrap_serve_tokens_full_generator",
+        why="Rebuild the response as GenerateResponseWithMasks: pydantic serialises choices by "
+        "the declared type, so the choice subclass with sampling_mask must be declared.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.entrypoints.scale_out.token_in_token_out.serving:"
+        "ServingTokens.serve_tokens_stream_generator",
+        make=f"{_P}.entrypoints.token_in_token_out:wrap_serve_tokens_stream_generator",
+        why="Every streamed chunk carries the rows of its tokens (engine outputs observed on "
+        "the way in, SSE chunks rewritten on the way out).",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.create_completion",
+        make=f"{_P}.entrypoints.completion:wrap_create_completion",
+        why="/v1/completions opt-in fields (return_sampling_mask, sampling_mask_format): "
+        "validated here (HTTP 400); other requests go straight to vLLM.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.completion.serving:"
+        "OpenAIServingCompletion.request_output_to_completion_response",
+        make=f"{_P}.entrypoints.completion:wrap_request_output_to_completion_response",
+        why="Non-streaming /v1/completions: token_ids and sampling_mask on each choice.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.completion.serving:"
+        "OpenAIServingCompletion.completion_stream_generator",
+        make=f"{_P}.entrypoints.completion:wrap_completion_stream_generator",
+        why="Streaming /v1/completions: every chunk carries the rows of its tokens.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.create_chat_completion",
+        make=f"{_P}.entrypoints.chat_completion:wrap_create_chat_completion",
+        why="/v1/chat/completions opt-in fields, validated here (HTTP 400).",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.chat_completion.serving:"
+        "OpenAIServingChat.chat_completion_full_generator",
+        make=f"{_P}.entrypoints.chat_completion:wrap_chat_completion_full_generator",
+        why="Non-streaming /v1/chat/completions: token_ids and sampling_mask on each choice.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.chat_completion.serving:"
+        "OpenAIServingChat.chat_completion_stream_generator",
+        make=f"{_P}.entrypoints.chat_completion:wrap_chat_completion_stream_generator",
+        why="Streaming /v1/chat/completions: every chunk carries the rows of its tokens "
+        "(tokens a parser holds back ride in the choice's next chunk).",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.entrypoints.openai.api_server:init_app_state",
+        make=f"{_P}.entrypoints.api_server:wrap_init_app_state",
+        why="/metrics gauges vllm_sampling_mask:held_requests / held_rows (mask state of "
+        "in-flight requests; 0 once none is in flight). run_batch's own binding is left alone: "
+        "it serves no /metrics.",
+        process="frontend",
+    ),
 ]

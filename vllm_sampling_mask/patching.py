@@ -215,10 +215,13 @@ def original_of(target: str) -> Any:
     return _applied[target].original
 
 
-def revert_patches() -> None:
-    """Restore every original and forget pending patches (tests)."""
+def revert_patches(targets: list[str] | None = None) -> None:
+    """Restore the originals of ``targets`` (default: every applied patch) and forget pending
+    patches (tests)."""
     with _lock:
         for target, record in reversed(list(_applied.items())):
+            if targets is not None and target not in targets:
+                continue
             module = sys.modules[record.patch.module]
             owner, name = resolve_owner(record.patch, module)
             if record.original is _MISSING:
@@ -228,6 +231,7 @@ def revert_patches() -> None:
             for other_module, other_name in record.rebound:
                 setattr(other_module, other_name, record.original)
             del _applied[target]
-        _pending.clear()
-        if _finder in sys.meta_path:
-            sys.meta_path.remove(_finder)
+        if targets is None:
+            _pending.clear()
+            if _finder in sys.meta_path:
+                sys.meta_path.remove(_finder)

@@ -110,34 +110,48 @@ def _select_model_runner_v2() -> None:
 
 
 def check_engine_args(engine_args: Any) -> None:
-    """Checks that need only the arguments (cheap, before any config is built)."""
+    """Checks that need only the arguments (before vLLM builds, and maybe rejects, a config)."""
     if os.environ.get("VLLM_USE_RUST_FRONTEND", "0").strip() not in ("", "0"):
         raise ValueError(
             f"{CLI_FLAG} is not supported with VLLM_USE_RUST_FRONTEND=1: the Rust frontend "
             "bypasses the Python output path that carries the masks. Unset VLLM_USE_RUST_FRONTEND."
         )
+    if engine_args.speculative_config:
+        _reject_speculative_decoding(engine_args.speculative_config)
+    if engine_args.logits_processors:
+        _reject_logits_processors(engine_args.logits_processors)
+
+
+def _reject_speculative_decoding(speculative_config: Any) -> None:
+    method = (speculative_config.get("method") if isinstance(speculative_config, dict)
+              else getattr(speculative_config, "method", None))
+    raise ValueError(
+        f"{CLI_FLAG} does not support speculative decoding (got --speculative-config with "
+        f"method {method!r}): rejection sampling does not draw from the filtered distribution a "
+        "mask records. Remove --speculative-config."
+    )
+
+
+def _reject_logits_processors(logits_processors: Any) -> None:
+    raise ValueError(
+        f"{CLI_FLAG} does not support engine-level custom logits processors (got "
+        f"--logits-processors {logits_processors}): they make vLLM 0.26 use the V1 model "
+        "runner, where masks are not captured. Remove --logits-processors."
+    )
 
 
 def check_vllm_config(vllm_config: Any) -> None:
     """Raise ``ValueError`` if an engine with masks on would return wrong or no masks."""
     model_config = vllm_config.model_config
     if vllm_config.speculative_config is not None:
-        raise ValueError(
-            f"{CLI_FLAG} does not support speculative decoding (got speculative_config method "
-            f"{vllm_config.speculative_config.method!r}): rejection sampling draws from a "
-            "different distribution than the filtered one. Remove --speculative-config."
-        )
+        _reject_speculative_decoding(vllm_config.speculative_config)
     if getattr(model_config, "is_diffusion", False):
         raise ValueError(
             f"{CLI_FLAG} does not support diffusion models ({model_config.model}): they do not "
             "sample one token per step from the filtered distribution."
         )
     if model_config.logits_processors:
-        raise ValueError(
-            f"{CLI_FLAG} does not support engine-level custom logits processors (got "
-            f"--logits-processors {model_config.logits_processors}): they make vLLM 0.26 use the "
-            "V1 model runner, where masks are not captured. Remove --logits-processors."
-        )
+        _reject_logits_processors(model_config.logits_processors)
     if model_config.logprobs_mode != REQUIRED_LOGPROBS_MODE:
         raise ValueError(
             f"{CLI_FLAG} requires --logprobs-mode {REQUIRED_LOGPROBS_MODE}, got "

@@ -134,28 +134,29 @@ class _SupportLogprobs(torch.autograd.Function):
         # pass no gradient.
         g_kept = torch.where(rows.scored & rows.has_token, grad_kept.float(), 0.0) * inv_temperature
 
-        g_token = g_kept
         if ctx.full_chunk is None:
             grad = torch.zeros((num_rows, vocab_size), dtype=logits.dtype, device=logits.device)
         else:
             grad = torch.empty((num_rows, vocab_size), dtype=logits.dtype, device=logits.device)
             g_full = torch.where(rows.scored, grad_full.float(), 0.0) * inv_temperature
-            g_token = g_kept + g_full
             # d(-logsumexp(z))/dz = -softmax(z), one [chunk, V] fp32 slab at a time.
             for start in range(0, num_rows, ctx.full_chunk):
                 end = min(start + ctx.full_chunk, num_rows)
                 slab = float_rows(logits, start, end, inv_temperature)
                 slab.sub_(ctx.lse_full[start:end, None]).exp_().mul_(-g_full[start:end, None])
                 grad[start:end].copy_(slab)
+            token_index = torch.arange(num_rows, device=logits.device)
+            grad.view(-1).index_add_(
+                0, token_index * vocab_size + rows.token_ids, g_full.to(logits.dtype))
 
-        flat_grad = grad.view(-1)
+        # Kept set: one-hot(token) - softmax over the row, summed in fp32 before the one
+        # rounding to the logits' dtype (the sampled id is in its row on every row with g != 0).
         kept_probs = torch.exp(ctx.kept - ctx.lse_kept[rows.kept_rows])  # [N]
-        flat_grad.index_add_(
+        is_sampled = (rows.kept_ids == rows.token_ids[rows.kept_rows]).float()
+        grad.view(-1).index_add_(
             0, rows.kept_rows * vocab_size + rows.kept_ids,
-            (-g_kept[rows.kept_rows] * kept_probs).to(logits.dtype),
+            (g_kept[rows.kept_rows] * (is_sampled - kept_probs)).to(logits.dtype),
         )
-        token_index = torch.arange(num_rows, device=logits.device)
-        flat_grad.index_add_(0, token_index * vocab_size + rows.token_ids, g_token.to(logits.dtype))
         return grad, None, None, None
 
 

@@ -231,9 +231,9 @@ class _HiddenSupportLogprobs(torch.autograd.Function):
             kept_probs = torch.exp(kept - ctx.lse_kept[s:e][chunk.entry_rows])
             # d(log-prob)/d(logits) over the union columns: one-hot(token) - softmax(kept set).
             grad_union = torch.zeros_like(union_logits)  # [C, U] fp32
-            grad_union.index_put_(
-                (chunk.entry_rows, chunk.entry_cols),
-                -g_kept[s:e][chunk.entry_rows] * kept_probs, accumulate=True)
+            grad_union.view(-1).index_add_(
+                0, chunk.entry_rows * grad_union.shape[1] + chunk.entry_cols,
+                -g_kept[s:e][chunk.entry_rows] * kept_probs)
             g_token = g_kept[s:e] if g_full is None else g_kept[s:e] + g_full[s:e]
             grad_union.scatter_add_(1, chunk.token_cols[:, None], g_token[:, None])
 

@@ -1,0 +1,53 @@
+"""Test harness: CPU platform forcing, the tiny model fixture, the ``gpu`` marker.
+
+On a machine without an NVIDIA GPU every test process runs vLLM on its CPU platform with Model
+Runner V2 under the Triton interpreter (see ``vllm_sampling_mask_testing.cpu_platform``). The
+environment is set here, at collection time, before any test imports vLLM or Triton; subprocess
+tests pass ``cpu_test_env()`` on. ``gpu`` tests are skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
+
+
+def has_nvidia_gpu() -> bool:
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+HAS_GPU = has_nvidia_gpu()
+if not HAS_GPU:
+    os.environ.update(cpu_test_env())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(pytestconfig: pytest.Config) -> str:
+    """Tiny random Qwen2 + locally trained tokenizer, cached under the pytest cache dir."""
+    from vllm_sampling_mask.tiny_model import build_tiny_model
+
+    cache = Path(pytestconfig.cache.mkdir("vllm_sampling_mask_tiny_model"))
+    return str(build_tiny_model(cache))
+
+
+@pytest.fixture(scope="session")
+def subprocess_env() -> dict[str, str]:
+    """Environment for subprocesses that run vLLM (CPU platform when there is no GPU)."""
+    env = dict(os.environ)
+    if not HAS_GPU:
+        env.update(cpu_test_env())
+    return env

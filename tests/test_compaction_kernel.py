@@ -1,0 +1,112 @@
+"""Triton compaction vs the torch reference (CPU: Triton interpreter; GPU: ``gpu`` marker)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_sampling_mask.worker.compaction import compact_support, compact_support_reference
+from vllm_sampling_mask.worker.step_masks import DeviceStepMasks
+
+DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_logits(vocab: int, sizes: list[int], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """One row per entry of ``sizes``: that many finite logits at random ids, -inf elsewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for size in sizes:
+        row = torch.full((vocab,), float("-inf"))
+        ids = torch.randperm(vocab, generator=gen)[:size]
+        row[ids] = torch.randn(size, generator=gen)
+        rows.append(row)
+    return torch.stack(rows).to(dtype)
+
+
+def assert_matches_reference(logits: torch.Tensor, width: int) -> None:
+    got = compact_support(logits, width)
+    ref = compact_support_reference(logits.cpu(), width)
+    counts = got.counts.cpu()
+    assert torch.equal(counts, ref.counts), (counts.tolist(), ref.counts.tolist())
+    assert torch.equal(got.bits.cpu(), ref.bits)
+    ids = got.ids.cpu()
+    for row in range(logits.shape[0]):
+        n = min(int(ref.counts[row]), width)
+        assert torch.equal(ids[row, :n], ref.ids[row, :n]), f"row {row}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [33, 111, 1000, 4097])
+def test_support_sizes_around_the_width(device: str, dtype: torch.dtype, vocab: int) -> None:
+    width = min(16, vocab - 1)
+    sizes = [0, 1, width - 1, width, width + 1, vocab // 2, vocab]
+    assert_matches_reference(make_logits(vocab, sizes, dtype).to(device), width)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_and_infinities_are_never_kept(device: str) -> None:
+    logits = make_logits(257, [40, 40, 257], torch.float32)
+    logits[0, :5] = float("nan")
+    logits[1, 10:20] = float("inf")
+    logits[2, 100] = float("nan")
+    logits[2, 101] = float("-inf")
+    logits[2, 102] = float("inf")
+    logits = logits.to(device)
+    assert_matches_reference(logits, 64)
+    got = compact_support(logits, 257)
+    kept_last = set(got.ids[2, : got.counts[2]].tolist())
+    assert {100, 101, 102}.isdisjoint(kept_last) and len(kept_last) == 254
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_boundary_ties_overflow_the_width_exactly(device: str) -> None:
+    # vLLM's PyTorch top-k keeps every logit equal to the k-th: rows wider than top_k.
+    vocab, top_k = 1000, 8
+    logits = torch.randn(3, vocab)
+    logits[:, 500:520] = 10.0  # 20 tied maxima, top_k = 8 keeps all 20
+    logits[:, :500] = float("-inf")
+    logits[:, 520:] = float("-inf")
+    device_masks = DeviceStepMasks(compact_support(logits.to(device), top_k), overflow_expected=False)
+    host = device_masks.copy_to_host_nonblocking()
+    step = host.unpack(np.ones(3, dtype=np.int32))
+    assert step.row_lengths.tolist() == [20, 20, 20]
+    for row in range(3):
+        assert step.row(row).tolist() == list(range(500, 520))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("overflow_expected", [False, True])
+def test_host_unpack_matches_reference_rows(device: str, overflow_expected: bool) -> None:
+    vocab, width = 3001, 24
+    sizes = [0, 1, 23, 24, 25, 600, vocab, 7]
+    logits = make_logits(vocab, sizes, torch.bfloat16, seed=3).to(device)
+    num_sampled = np.array([1, 1, 1, 1, 1, 1, 1, 0], dtype=np.int32)  # last row: partial prefill
+    step = DeviceStepMasks(compact_support(logits, width), overflow_expected).copy_to_host_nonblocking()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    masks = step.unpack(num_sampled)
+    finite = torch.isfinite(logits.float().cpu())
+    for row, sampled in enumerate(num_sampled):
+        expected = finite[row].nonzero().flatten().tolist() if sampled else []
+        assert masks.row(row).tolist() == expected, f"row {row}"
+    assert masks.offsets[-1] == masks.token_ids.size
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_rows_and_empty_batch(device: str) -> None:
+    base = make_logits(300, [5, 0, 300, 17], torch.float32).to(device)
+    wide = torch.full((4, 512), 0.0, device=device)
+    wide[:, :300] = base
+    assert_matches_reference(wide[:, :300], 8)  # row stride 512, vocab 300
+    empty = compact_support(torch.empty(0, 300, device=device), 8)
+    assert empty.ids.shape == (0, 8) and empty.counts.shape == (0,)
+
+
+def test_invalid_arguments_are_rejected() -> None:
+    with pytest.raises(ValueError, match="width"):
+        compact_support(torch.zeros(2, 10), 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        compact_support(torch.zeros(10, 2).t(), 4)

@@ -1,0 +1,117 @@
+"""Real generations through vLLM's engine (CPU: MRV2 under the Triton interpreter).
+
+One engine for the module. Checks the mask contract on a batch that mixes every sampling
+transform, the stop/length paths, n=2, and the per-request rejections.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mask_invariants import check_completion
+
+pytestmark = pytest.mark.slow
+
+MAX_LOGPROBS = 64
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: str):
+    from vllm import LLM
+
+    engine = LLM(tiny_model_dir, return_sampling_mask=True, logprobs_mode="processed_logprobs",
+                 enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0, dtype="float32",
+                 max_logprobs=MAX_LOGPROBS)
+    yield engine
+    del engine
+
+
+def generate(llm, prompts, params):
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [c for o in outputs for c in o.outputs]
+
+
+def test_mixed_batch_satisfies_the_contract(llm) -> None:
+    from vllm import SamplingParams
+
+    tokenizer = llm.get_tokenizer()
+    banned = tokenizer.encode(" the")
+    prompts = ["Hello world", "the quick brown fox", "kalo mitor", "0123456789 zen"]
+    base = dict(temperature=1.0, max_tokens=12, seed=7)
+    cases = {
+        "top_k": SamplingParams(top_k=20, logprobs=28, **base),
+        "top_p": SamplingParams(top_k=40, top_p=0.8, logprobs=48, **base),
+        "min_p": SamplingParams(top_k=40, min_p=0.05, logprobs=48, **base),
+        "penalties": SamplingParams(top_k=30, presence_penalty=0.5, frequency_penalty=0.5,
+                                    repetition_penalty=1.3, logprobs=38, **base),
+        "logit_bias": SamplingParams(top_k=10, logit_bias={5: 5.0, 6: -100.0}, logprobs=18, **base),
+        "bad_words": SamplingParams(top_k=25, bad_words=[" the"], logprobs=33, **base),
+        "n2_temp": SamplingParams(top_k=16, n=2, temperature=0.7, logprobs=24, max_tokens=10, seed=3),
+        "stop_string": SamplingParams(top_k=50, stop=["a", "e"], logprobs=58, **base),
+        "stop_tokens": SamplingParams(top_k=50, stop_token_ids=list(range(300, 2000)), logprobs=58, **base),
+        "max_tokens_1": SamplingParams(top_k=5, logprobs=13, temperature=1.0, max_tokens=1),
+        "allowed": SamplingParams(top_k=50, allowed_token_ids=list(range(100, 140)), logprobs=58,
+                                  **base),
+    }
+    results = {}
+    for name, params in cases.items():
+        results[name] = generate(llm, prompts, params)
+    problems = {}
+    for name, completions in results.items():
+        for j, completion in enumerate(completions):
+            found = check_completion(completion, with_logprobs=True)
+            if found:
+                problems[f"{name}[{j}]"] = found
+    assert not problems, problems
+
+    # Each transform is visible in the rows.
+    for c in results["top_k"]:
+        assert all(len(r) <= 20 + 8 for r in c.sampling_mask.token_ids)  # + PyTorch top-k ties
+    for c in results["allowed"]:
+        assert all(set(r) <= set(range(100, 140)) for r in c.sampling_mask.token_ids)
+    for c in results["logit_bias"]:
+        assert all(6 not in r for r in c.sampling_mask.token_ids)
+    if len(banned) == 1:
+        for c in results["bad_words"]:
+            assert all(banned[0] not in r for r in c.sampling_mask.token_ids)
+    assert len(results["n2_temp"]) == 2 * len(prompts)
+    stops = [c for c in results["stop_string"] if c.finish_reason == "stop"]
+    assert stops, "no completion hit a stop string: the test exercises nothing"
+    assert any(c.finish_reason == "stop" for c in results["stop_tokens"])
+    assert all(len(c.token_ids) == 1 == len(c.sampling_mask.token_ids) for c in results["max_tokens_1"])
+    assert any(len(r) > 1 for c in results["top_p"] for r in c.sampling_mask.token_ids), \
+        "every row has one id: the model is too peaked to test filtering"
+
+
+def test_rows_without_logprobs_and_streaming_style_outputs(llm) -> None:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, seed=11)
+    for completion in generate(llm, ["Hello"] * 3, params):
+        assert check_completion(completion, with_logprobs=False) == []
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (dict(temperature=0.0, top_k=10), r"temperature must be > 0.*got 0\.0"),
+        (dict(temperature=1.0, top_k=0), r"top_k must be > 0.*got 0"),
+        (dict(temperature=1.0, top_k=-1), r"top_k must be > 0.*got -1"),
+        (dict(temperature=1.0), r"top_k must be > 0"),
+    ],
+    ids=["temperature_0", "top_k_0", "top_k_-1", "top_k_unset"],
+)
+def test_bad_requests_are_rejected_and_engine_keeps_serving(llm, params, message) -> None:
+    from vllm import SamplingParams
+
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["Hello"], SamplingParams(max_tokens=2, **params), use_tqdm=False)
+    ok = generate(llm, ["Hello"], SamplingParams(temperature=1.0, top_k=4, max_tokens=2))
+    assert check_completion(ok[0], with_logprobs=False) == []
+
+
+def test_beam_search_is_rejected(llm) -> None:
+    from vllm.sampling_params import BeamSearchParams
+
+    with pytest.raises(ValueError, match="beam search is not supported"):
+        llm.beam_search([{"prompt": "Hello"}], BeamSearchParams(beam_width=2, max_tokens=2))

@@ -1,0 +1,113 @@
+"""Engine-start rejections: ValueError from create_engine_config, before any model loads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_sampling_mask.config import SamplingMaskConfig
+
+GOOD = dict(return_sampling_mask=True, logprobs_mode="processed_logprobs", enforce_eager=True,
+            max_model_len=256)
+
+
+def engine_config(model: str, **overrides):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, **{**GOOD, **overrides}).create_engine_config()
+
+
+def test_good_config_selects_model_runner_v2(tiny_model_dir: str) -> None:
+    vllm_config = engine_config(tiny_model_dir)
+    assert SamplingMaskConfig.of(vllm_config).enabled
+    assert vllm_config.use_v2_model_runner
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+def test_keyword_and_additional_config_are_the_same_switch(tiny_model_dir: str) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    by_keyword = EngineArgs(model=tiny_model_dir, return_sampling_mask=True)
+    by_config = EngineArgs(model=tiny_model_dir, additional_config={"return_sampling_mask": True})
+    assert by_keyword.additional_config == by_config.additional_config == {"return_sampling_mask": True}
+    assert EngineArgs(model=tiny_model_dir).additional_config == {}
+
+
+def test_logprobs_mode_other_than_processed_is_rejected(tiny_model_dir: str) -> None:
+    with pytest.raises(ValueError, match=r"--logprobs-mode processed_logprobs.*'raw_logprobs'"):
+        engine_config(tiny_model_dir, logprobs_mode="raw_logprobs")
+
+
+def test_speculative_decoding_is_rejected(tiny_model_dir: str) -> None:
+    with pytest.raises(ValueError, match=r"speculative decoding.*'ngram'"):
+        engine_config(tiny_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_logits_processors_are_rejected(tiny_model_dir: str) -> None:
+    with pytest.raises(ValueError, match=r"--logits-processors"):
+        engine_config(tiny_model_dir, logits_processors=["my_pkg.processors:MyProcessor"])
+
+
+def test_diffusion_models_are_rejected(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.config.model import ModelConfig
+
+    monkeypatch.setattr(ModelConfig, "is_diffusion", property(lambda self: True))
+    with pytest.raises(ValueError, match="diffusion"):
+        engine_config(tiny_model_dir)
+
+
+def test_explicit_v1_runner_is_rejected(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        engine_config(tiny_model_dir)
+
+
+def test_config_model_runner_v2_cannot_run_is_rejected(tiny_model_dir: str) -> None:
+    # Stock torch.compile is a feature MRV2 lacks; vLLM would silently fall back to V1.
+    with pytest.raises(ValueError, match=r"(?s)needs Model Runner V2.*stock torch.compile"):
+        engine_config(tiny_model_dir, enforce_eager=False, compilation_config={"mode": 1})
+
+
+def test_rust_frontend_is_rejected(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
+    with pytest.raises(ValueError, match="VLLM_USE_RUST_FRONTEND"):
+        engine_config(tiny_model_dir)
+
+
+def test_bad_additional_config_values_are_rejected(tiny_model_dir: str) -> None:
+    with pytest.raises(ValueError, match="return_sampling_mask.*bool"):
+        engine_config(tiny_model_dir, return_sampling_mask=None,
+                      additional_config={"return_sampling_mask": "yes"})
+    with pytest.raises(ValueError, match="sampling_mask_max_width"):
+        engine_config(tiny_model_dir, additional_config={"sampling_mask_max_width": 0})
+
+
+def test_flag_off_changes_nothing_in_config(tiny_model_dir: str) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    vllm_config = EngineArgs(model=tiny_model_dir, logprobs_mode="raw_logprobs",
+                             enforce_eager=True).create_engine_config()
+    assert not SamplingMaskConfig.of(vllm_config).enabled
+
+
+def test_cli_lists_the_flag(subprocess_env: dict[str, str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--help=all"],
+        capture_output=True, text=True, env=subprocess_env, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--return-sampling-mask" in result.stdout
+
+
+def test_cli_flag_reaches_additional_config(tiny_model_dir: str) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", tiny_model_dir, "--return-sampling-mask"])
+    assert AsyncEngineArgs.from_cli_args(args).additional_config["return_sampling_mask"] is True
+    args = parser.parse_args(["--model", tiny_model_dir])
+    assert "return_sampling_mask" not in AsyncEngineArgs.from_cli_args(args).additional_config

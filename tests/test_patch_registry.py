@@ -1,0 +1,135 @@
+"""The patch list is data: every entry resolves, installs once, reverts, and versions are checked."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from vllm_sampling_mask import patching
+from vllm_sampling_mask.patches import PATCHES
+from vllm_sampling_mask.patching import (
+    Patch,
+    UnsupportedVllmVersionError,
+    apply_patches,
+    check_vllm_version,
+    revert_patches,
+)
+
+
+def test_targets_are_unique_and_documented() -> None:
+    targets = [p.target for p in PATCHES]
+    assert len(targets) == len(set(targets))
+    for patch in PATCHES:
+        assert patch.module.startswith("vllm."), patch.target
+        assert patch.why and patch.process in {"frontend", "engine-core", "worker"}, patch.target
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.target)
+def test_every_target_and_wrapper_resolves(patch: Patch) -> None:
+    module = importlib.import_module(patch.module)
+    owner, name = patching.resolve_owner(patch, module)
+    if patch.adds:
+        assert hasattr(owner, name)  # the plugin (loaded with vLLM) added it
+    else:
+        assert hasattr(owner, name), patch.target
+    make_module, _, make_name = patch.make.partition(":")
+    assert callable(getattr(importlib.import_module(make_module), make_name))
+
+
+def test_all_patches_are_installed_in_a_vllm_process() -> None:
+    import vllm.engine.arg_utils  # noqa: F401  (vLLM's platform plugin loading installs them)
+
+    for patch in PATCHES:
+        importlib.import_module(patch.module)
+    assert set(patching.applied_targets()) >= {p.target for p in PATCHES}
+
+
+def test_apply_is_idempotent_and_revert_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+    import sys
+
+    module = types.ModuleType("vllm_fake_target")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm_fake_target", None)
+
+    class Thing:
+        def method(self) -> str:
+            return "original"
+
+    module.Thing = Thing
+    monkeypatch.setitem(sys.modules, "vllm_fake_target", module)
+    monkeypatch.setitem(sys.modules, "vllm_fake_wrappers", types.ModuleType("vllm_fake_wrappers"))
+    calls = []
+
+    def wrap(original):
+        calls.append(original)
+        return lambda self: "wrapped " + original(self)
+
+    sys.modules["vllm_fake_wrappers"].wrap = wrap
+    patch = Patch(target="vllm_fake_target:Thing.method", make="vllm_fake_wrappers:wrap",
+                  why="test", process="frontend")
+    apply_patches([patch])
+    apply_patches([patch])
+    assert Thing().method() == "wrapped original"
+    assert len(calls) == 1
+    revert_patches([patch.target])
+    assert Thing().method() == "original"
+
+
+def test_reverting_the_real_list_restores_vllm_and_reapplies() -> None:
+    for patch in PATCHES:
+        importlib.import_module(patch.module)
+    current = {}
+    for patch in PATCHES:
+        owner, name = patching.resolve_owner(patch, importlib.import_module(patch.module))
+        current[patch.target] = (owner, name, patching.original_of(patch.target))
+    revert_patches([p.target for p in PATCHES])
+    try:
+        for target, (owner, name, original) in current.items():
+            if original is patching._MISSING:
+                assert not hasattr(owner, name), target
+            else:
+                assert patching._raw_attr(owner, name) is original, target
+    finally:
+        apply_patches(PATCHES)
+    assert set(patching.applied_targets()) >= set(current)
+
+
+def test_deferred_patch_applies_on_import(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "vllm_fake_later.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "vllm_fake_later_wrap.py").write_text(
+        "def wrap(original):\n    return lambda: original() + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    patch = Patch(target="vllm_fake_later:f", make="vllm_fake_later_wrap:wrap", why="test",
+                  process="frontend")
+    apply_patches([patch])
+    try:
+        import vllm_fake_later
+
+        assert vllm_fake_later.f() == 2
+    finally:
+        revert_patches([patch.target])
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.1", "0.26.0+cpu"])
+def test_supported_versions(version: str) -> None:
+    check_vllm_version(version)
+
+
+def test_native_versions_are_refused_by_name() -> None:
+    with pytest.raises(UnsupportedVllmVersionError, match=r"0\.28\.0.*natively"):
+        check_vllm_version("0.28.0")
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.27.0", "dev"])
+def test_other_versions_are_refused(version: str) -> None:
+    with pytest.raises(UnsupportedVllmVersionError, match=version.replace(".", r"\.")):
+        check_vllm_version(version)
+
+
+def test_general_plugin_refuses_simulated_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_sampling_mask import plugin
+
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.28.1")
+    with pytest.raises(UnsupportedVllmVersionError, match=r"vLLM 0\.28\.1"):
+        plugin.register()

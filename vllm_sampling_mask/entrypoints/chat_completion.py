@@ -1,0 +1,99 @@
+"""Masks on ``/v1/chat/completions`` (extends ``vllm/entrypoints/openai/chat_completion/serving.py``).
+
+Same opt-in fields as ``/v1/completions``. Each choice carries ``token_ids`` (every generated id,
+reasoning and tool-call tokens included) and ``sampling_mask``. When streaming, tokens a
+reasoning or tool parser holds back without emitting a chunk ride in the next chunk of their
+choice. Refused (HTTP 400) with ``include_reasoning: false`` on a server with a reasoning or tool
+parser: vLLM hides those tokens there, and their masks (which contain each sampled token) would
+reveal them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from vllm_sampling_mask.entrypoints.mask_fields import RETURN_FIELD, MaskFieldError, parse_mask_options
+from vllm_sampling_mask.entrypoints.serving import (
+    Arguments,
+    LastItem,
+    bad_request,
+    current_options,
+    engine_masks_enabled,
+    observe,
+    request_options,
+    rows_of,
+)
+from vllm_sampling_mask.entrypoints.sse import StreamMasks
+
+
+def _check_request(serving: Any, request: Any) -> None:
+    if not request.include_reasoning and serving.parser_cls is not None:
+        raise MaskFieldError(
+            f"{RETURN_FIELD} is not supported with include_reasoning=false on a server with a "
+            "reasoning or tool parser: the masks contain every sampled token, hidden ones too. "
+            "Set include_reasoning to true or drop the field.", RETURN_FIELD)
+
+
+def wrap_create_chat_completion(original: Any) -> Any:
+    """``OpenAIServingChat.create_chat_completion``: validate the mask fields (HTTP 400)."""
+
+    @functools.wraps(original)
+    async def create_chat_completion(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            options = parse_mask_options(request.model_extra, engine_enabled=engine_masks_enabled(self))
+            if options.enabled:
+                _check_request(self, request)
+        except MaskFieldError as exc:
+            return bad_request(self, exc)
+        if not options.enabled:
+            return await original(self, request, *args, **kwargs)
+        with request_options(options):
+            return await original(self, request, *args, **kwargs)
+
+    return create_chat_completion
+
+
+def wrap_chat_completion_full_generator(original: Any) -> Any:
+    """Non-streaming response: each choice gets ``token_ids`` and ``sampling_mask``."""
+
+    @functools.wraps(original)
+    async def chat_completion_full_generator(self: Any, *args: Any, **kwargs: Any) -> Any:
+        options = current_options()
+        if not options.enabled:
+            return await original(self, *args, **kwargs)
+        call = Arguments(original, (self, *args), kwargs)
+        final = LastItem()
+        call["result_generator"] = observe(call["result_generator"], final)
+        response = await call.call(original)
+        if final.item is None or not hasattr(response, "choices"):
+            return response  # an ErrorResponse
+        outputs = {output.index: output for output in final.item.outputs}
+        for choice in response.choices:
+            output = outputs[choice.index]
+            choice.token_ids = list(output.token_ids)
+            choice.sampling_mask = options.render(rows_of(output))  # an extra field: serialised
+        return response
+
+    return chat_completion_full_generator
+
+
+def wrap_chat_completion_stream_generator(original: Any) -> Any:
+    """Streaming response: every chunk carries the rows of the tokens it carries."""
+
+    @functools.wraps(original)
+    def chat_completion_stream_generator(self: Any, *args: Any, **kwargs: Any) -> Any:
+        options = current_options()
+        if not options.enabled:
+            return original(self, *args, **kwargs)
+        call = Arguments(original, (self, *args), kwargs)
+        masks = StreamMasks(options)
+
+        def seen(result: Any) -> None:
+            for output in result.outputs:
+                masks.add(output.index, output.token_ids, rows_of(output))
+
+        call["result_generator"] = observe(call["result_generator"], seen)
+        return masks.rewrite_stream(call.call(original))
+
+    return chat_completion_stream_generator

@@ -1,0 +1,119 @@
+"""Helpers the HTTP serving wrappers share (extend ``vllm/entrypoints/serve/engine/serving.py``).
+
+The serving classes of vLLM build their responses inside long methods we do not copy. Each of
+our wrappers works at the method's seams instead: the request's mask options are parsed once by
+the outer entry (``create_completion``, ``create_chat_completion``, ``serve_tokens``) and handed
+to the inner builders it calls (in the same task) through a context variable; the builders'
+engine-output iterator is observed on its way in, and their response on its way out.
+Requests that do not ask for masks go straight to vLLM's methods: their responses are vLLM's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+from vllm_sampling_mask.config import SamplingMaskConfig
+from vllm_sampling_mask.entrypoints.mask_fields import DISABLED, MaskOptions
+
+_options: ContextVar[MaskOptions] = ContextVar("vllm_sampling_mask_http_options", default=DISABLED)
+_ENABLED_CACHE = "_sampling_mask_http_enabled"
+
+
+def engine_masks_enabled(serving: Any) -> bool:
+    """The server's ``--return-sampling-mask`` switch, read from a serving object's engine."""
+    enabled = serving.__dict__.get(_ENABLED_CACHE)
+    if enabled is None:
+        enabled = SamplingMaskConfig.of(serving.engine_client.vllm_config).enabled
+        serving.__dict__[_ENABLED_CACHE] = enabled
+    return enabled
+
+
+@contextlib.contextmanager
+def request_options(options: MaskOptions) -> Iterator[None]:
+    """Make ``options`` the current request's (for the builders called inside this block)."""
+    token = _options.set(options)
+    try:
+        yield
+    finally:
+        _options.reset(token)
+
+
+def current_options() -> MaskOptions:
+    """The options of the request being served in this task (``DISABLED`` outside one)."""
+    return _options.get()
+
+
+def rows_of(output: Any) -> list[list[int]]:
+    """The mask rows of one ``CompletionOutput``; raises if a mask engine attached none."""
+    mask = getattr(output, "sampling_mask", None)
+    if mask is None:
+        if not output.token_ids:
+            return []
+        raise RuntimeError(
+            f"completion {output.index} has {len(output.token_ids)} tokens but no sampling mask "
+            "although the engine returns masks. This is a bug in vllm-sampling-mask."
+        )
+    rows = mask.token_ids
+    if len(rows) != len(output.token_ids):
+        raise RuntimeError(
+            f"completion {output.index} has {len(rows)} mask rows for {len(output.token_ids)} "
+            "tokens. This is a bug in vllm-sampling-mask."
+        )
+    return rows
+
+
+def bad_request(serving: Any, exc: Any) -> Any:
+    """vLLM's HTTP 400 ``ErrorResponse`` for a ``MaskFieldError`` (names the parameter)."""
+    return serving.create_error_response(str(exc), param=exc.parameter)
+
+
+async def observe(source: AsyncIterator[Any], seen: Callable[[Any], None]) -> AsyncGenerator[Any, None]:
+    """Yield every item of ``source`` after passing it to ``seen``; closing this closes ``source``."""
+    try:
+        async for item in source:
+            seen(item)
+            yield item
+    finally:
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class LastItem:
+    """Keeps the last item it is called with (the final ``RequestOutput`` of a request)."""
+
+    def __init__(self) -> None:
+        self.item: Any = None
+
+    def __call__(self, item: Any) -> None:
+        self.item = item
+
+
+class Arguments:
+    """A wrapped method's call, with parameters readable and replaceable by name."""
+
+    def __init__(self, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self._bound = _signature(original).bind(*args, **kwargs)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._bound.arguments[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._bound.arguments[name] = value
+
+    def call(self, original: Callable[..., Any]) -> Any:
+        return original(*self._bound.args, **self._bound.kwargs)
+
+
+_signatures: dict[Callable[..., Any], inspect.Signature] = {}
+
+
+def _signature(function: Callable[..., Any]) -> inspect.Signature:
+    signature = _signatures.get(function)
+    if signature is None:
+        signature = _signatures[function] = inspect.signature(function)
+    return signature

@@ -1,0 +1,138 @@
+"""Masks on ``POST /inference/v1/generate`` (extends
+``vllm/entrypoints/scale_out/token_in_token_out/{protocol,serving}.py``).
+
+On a server started with ``--return-sampling-mask`` every choice carries ``sampling_mask``, row i
+for ``token_ids[i]`` (``return_sampling_mask: false`` in a request turns it off for that request;
+``sampling_mask_format: "compact"`` sends the compact dict). Streamed chunks carry the rows of
+their own tokens. Without the switch the endpoint is vLLM's.
+
+The route is vLLM's (registered before any endpoint plugin, and Starlette serves the first
+matching route), so we extend ``ServingTokens`` rather than add a route. ``GenerateRequest`` is a
+plain pydantic model that drops unknown fields, so the mask fields are read from the request's
+JSON body, which Starlette has already parsed and cached. ``GenerateResponse`` serialises its
+choices by their declared type, so a response with masks is rebuilt as ``GenerateResponseWithMasks``,
+which declares the choice subclass that has the field.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+    GenerateResponse,
+    GenerateResponseChoice,
+)
+
+from vllm_sampling_mask.entrypoints.mask_fields import MaskFieldError, parse_mask_options
+from vllm_sampling_mask.entrypoints.serving import (
+    Arguments,
+    LastItem,
+    bad_request,
+    current_options,
+    engine_masks_enabled,
+    observe,
+    request_options,
+    rows_of,
+)
+from vllm_sampling_mask.entrypoints.sse import StreamMasks
+
+
+class GenerateResponseChoiceWithMask(GenerateResponseChoice):
+    """A ``/inference/v1/generate`` choice with its sampling mask."""
+
+    sampling_mask: list[list[int]] | dict[str, Any] | None = None
+    """Row i: the ascending vocabulary ids kept when ``token_ids[i]`` was sampled (``"json"``),
+    or the compact dict of ``vllm_sampling_mask.compact_format`` (``"compact"``)."""
+
+
+class GenerateResponseWithMasks(GenerateResponse):
+    """``GenerateResponse`` declaring the choice type that carries ``sampling_mask``."""
+
+    choices: list[GenerateResponseChoiceWithMask]  # type: ignore[assignment]
+
+
+def with_masks(response: Any, outputs: dict[int, Any], options: Any) -> GenerateResponseWithMasks:
+    """``response`` rebuilt with every choice's mask (no re-validation: values are vLLM's)."""
+    choices = [
+        GenerateResponseChoiceWithMask.model_construct(
+            _fields_set=choice.model_fields_set | {"sampling_mask"},
+            **dict(choice),
+            sampling_mask=options.render(rows_of(outputs[choice.index])),
+        )
+        for choice in response.choices
+    ]
+    fields = dict(response)
+    fields["choices"] = choices
+    return GenerateResponseWithMasks.model_construct(_fields_set=response.model_fields_set, **fields)
+
+
+async def _body_fields(raw_request: Any) -> dict[str, Any]:
+    # FastAPI parsed the body into GenerateRequest through Request.json(), which caches it.
+    if raw_request is None:
+        return {}
+    try:
+        body = await raw_request.json()
+    except (ValueError, RuntimeError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def wrap_serve_tokens(original: Any) -> Any:
+    """``ServingTokens.serve_tokens``: read and validate the mask fields (HTTP 400)."""
+
+    @functools.wraps(original)
+    async def serve_tokens(self: Any, request: Any, raw_request: Any = None, *args: Any,
+                           **kwargs: Any) -> Any:
+        enabled = engine_masks_enabled(self)
+        try:
+            options = parse_mask_options(await _body_fields(raw_request), engine_enabled=enabled,
+                                         default_enabled=enabled)
+        except MaskFieldError as exc:
+            return bad_request(self, exc)
+        if not options.enabled:
+            return await original(self, request, raw_request, *args, **kwargs)
+        with request_options(options):
+            return await original(self, request, raw_request, *args, **kwargs)
+
+    return serve_tokens
+
+
+def wrap_serve_tokens_full_generator(original: Any) -> Any:
+    """Non-streaming response: every choice gets ``sampling_mask``."""
+
+    @functools.wraps(original)
+    async def serve_tokens_full_generator(self: Any, *args: Any, **kwargs: Any) -> Any:
+        options = current_options()
+        if not options.enabled:
+            return await original(self, *args, **kwargs)
+        call = Arguments(original, (self, *args), kwargs)
+        final = LastItem()
+        call["result_generator"] = observe(call["result_generator"], final)
+        response = await call.call(original)
+        if final.item is None or not isinstance(response, GenerateResponse):
+            return response  # an ErrorResponse
+        return with_masks(response, {o.index: o for o in final.item.outputs}, options)
+
+    return serve_tokens_full_generator
+
+
+def wrap_serve_tokens_stream_generator(original: Any) -> Any:
+    """Streaming response: every chunk carries the rows of the tokens it carries."""
+
+    @functools.wraps(original)
+    def serve_tokens_stream_generator(self: Any, *args: Any, **kwargs: Any) -> Any:
+        options = current_options()
+        if not options.enabled:
+            return original(self, *args, **kwargs)
+        call = Arguments(original, (self, *args), kwargs)
+        masks = StreamMasks(options)
+
+        def seen(result: Any) -> None:
+            for output in result.outputs:
+                masks.add(output.index, output.token_ids, rows_of(output))
+
+        call["result_generator"] = observe(call["result_generator"], seen)
+        return masks.rewrite_stream(call.call(original))
+
+    return serve_tokens_stream_generator
