@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_sampling_mask.compact_format import decode_compact, encode_compact
+from vllm_sampling_mask.compact_format import ENCODINGS, decode_compact, encode_compact
 from vllm_sampling_mask.training import PackedMasks, pack_padded_batch
 
 ROWS = [[3], [0, 1, 2, 3, 4, 5, 6], [], [2, 5], [6]]  # single, whole vocab (V=7), empty
@@ -22,10 +22,12 @@ def test_from_rows_layout_and_round_trip() -> None:
     assert masks.row_index().tolist() == [0] + [1] * 7 + [3, 3, 4]
 
 
-def test_compact_round_trips() -> None:
-    masks = PackedMasks.from_compact(encode_compact(ROWS))
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_compact_round_trips(encoding: str) -> None:
+    masks = PackedMasks.from_compact(encode_compact(ROWS, encoding=encoding))
     assert masks.to_rows() == ROWS
-    assert decode_compact(masks.to_compact()) == ROWS
+    assert masks.to_compact(encoding)["encoding"] == encoding
+    assert decode_compact(masks.to_compact(encoding)) == ROWS
 
 
 def test_compact_rejects_inconsistent_lengths() -> None:
@@ -44,7 +46,8 @@ def test_from_any_accepts_every_form(form: str) -> None:
         "numpy_rows": [np.asarray(r, dtype=np.int64) for r in ROWS],
         "compact": encode_compact(ROWS),
         "sampling_mask": SimpleNamespace(token_ids=ROWS),
-        "sampling_mask_compact": SimpleNamespace(token_ids=encode_compact(ROWS)),
+        "sampling_mask_compact": SimpleNamespace(
+            token_ids=encode_compact(ROWS, encoding="csr-delta-varint-base64")),
     }[form]
     assert PackedMasks.from_any(source).to_rows() == ROWS
 

@@ -1,0 +1,49 @@
+"""The plugin as a user meets it: a fresh interpreter, no import of ours, vLLM's entry points only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parent / "scripts" / "seeded_generation.py"
+TEST_PLATFORM_PLUGIN = "sampling_mask_test_cpu"
+
+
+def run_user_script(model: str, env: dict[str, str], *args: str, plugins: str | None = None) -> dict:
+    env = {**env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc with a function
+    if plugins is not None:
+        env["VLLM_PLUGINS"] = plugins
+    result = subprocess.run([sys.executable, str(SCRIPT), model, *args], capture_output=True,
+                            text=True, env=env, timeout=600)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_llm_keyword_starts_model_runner_v2_with_masks(tiny_model_dir: str, subprocess_env: dict) -> None:
+    out = run_user_script(tiny_model_dir, subprocess_env, "--mask")
+    assert out["imported_our_package_before_vllm"] is False
+    [runner] = out["runner"]
+    assert runner["is_model_runner_v2"], runner
+    assert runner["mask_capture_attached"] and runner["sampler_uses_flashinfer"] is False
+    for tokens, rows in zip(out["token_ids"], out["sampling_mask"]):
+        assert len(rows) == len(tokens) and all(t in r for t, r in zip(tokens, rows))
+
+
+def test_flag_off_generation_is_identical_with_and_without_the_plugin(
+        tiny_model_dir: str, subprocess_env: dict) -> None:
+    without = run_user_script(tiny_model_dir, subprocess_env, plugins=TEST_PLATFORM_PLUGIN)
+    with_plugin = run_user_script(tiny_model_dir, subprocess_env,
+                                  plugins=f"{TEST_PLATFORM_PLUGIN},sampling_mask")
+    assert without["applied_patches"] == []
+    assert "vllm.engine.arg_utils:EngineArgs.__init__" in with_plugin["applied_patches"]
+    assert with_plugin["token_ids"] == without["token_ids"]
+    assert with_plugin["logprobs"] == without["logprobs"]
+    assert with_plugin["sampling_mask"] == without["sampling_mask"] == [None] * 4
+    assert with_plugin["runner"][0]["mask_capture_attached"] is False
