@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
-
 
 def has_nvidia_gpu() -> bool:
     return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
@@ -23,6 +21,8 @@ def has_nvidia_gpu() -> bool:
 
 HAS_GPU = has_nvidia_gpu()
 if not HAS_GPU:
+    from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
+
     os.environ.update(cpu_test_env())
 
 
@@ -49,5 +49,7 @@ def subprocess_env() -> dict[str, str]:
     """Environment for subprocesses that run vLLM (CPU platform when there is no GPU)."""
     env = dict(os.environ)
     if not HAS_GPU:
+        from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
+
         env.update(cpu_test_env())
     return env

@@ -33,7 +33,7 @@ def _run(fn, hidden, weight, bias, return_full):
 
 
 @pytest.mark.parametrize("vocab_size", [111, 1000])
-@pytest.mark.parametrize("chunk_size", [1, 7, 64, 4096])
+@pytest.mark.parametrize("chunk_size", [1, 7, 64])
 @pytest.mark.parametrize("return_full", [False, True], ids=["kept", "kept+full"])
 def test_matches_dense_recipe(vocab_size: int, chunk_size: int, return_full: bool) -> None:
     num_tokens = 41

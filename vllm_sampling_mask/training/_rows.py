@@ -22,6 +22,7 @@ class ScoredRows:
         has_token: ``[T] bool`` the sampled id appears in its mask row.
         kept_rows: ``[N] int64`` row of each kept id (``PackedMasks.row_index``).
         kept_ids: ``[N] int64`` kept vocabulary ids, rows concatenated.
+        kept_is_sampled: ``[N] bool`` the kept id is its row's sampled id.
         offsets: ``[T + 1] int64`` row boundaries in ``kept_ids`` (on the masks' device).
     """
 
@@ -30,6 +31,7 @@ class ScoredRows:
     has_token: torch.Tensor
     kept_rows: torch.Tensor
     kept_ids: torch.Tensor
+    kept_is_sampled: torch.Tensor
     offsets: torch.Tensor
 
     @property
@@ -53,7 +55,7 @@ def prepare_rows(
         masks: ``T`` rows; row ``t`` is the kept set of ``token_ids[t]``.
         valid: optional ``[T] bool``; False marks padding too.
         check: validate the masks (``PackedMasks.validate``), the sampled ids' range and that
-            each scored row contains its sampled id. Costs a device sync.
+            each scored row contains its sampled id. Costs a few device syncs.
 
     Raises ``ValueError`` on a shape mismatch, and with ``check`` on the first invalid value.
     """
@@ -83,9 +85,9 @@ def prepare_rows(
         masks.validate(vocab_size)
     kept_rows = masks.row_index()
     kept_ids = masks.token_ids.long()
-    is_sampled = (kept_ids == safe_token_ids[kept_rows]).to(torch.int32)
-    hits = torch.zeros(num_rows, dtype=torch.int32, device=device).index_add_(0, kept_rows, is_sampled)
-    has_token = hits > 0
+    kept_is_sampled = kept_ids == safe_token_ids[kept_rows]
+    hits = torch.zeros(num_rows, dtype=torch.int32, device=device)
+    has_token = hits.index_add_(0, kept_rows, kept_is_sampled.to(torch.int32)) > 0
 
     if check:
         bad_token = scored & ((token_ids < 0) | (token_ids >= vocab_size))
@@ -111,6 +113,7 @@ def prepare_rows(
         has_token=has_token,
         kept_rows=kept_rows,
         kept_ids=kept_ids,
+        kept_is_sampled=kept_is_sampled,
         offsets=masks.offsets,
     )
 
@@ -133,7 +136,9 @@ def segment_logsumexp(values: torch.Tensor, rows: torch.Tensor, num_rows: int) -
     return torch.log(sums) + shift
 
 
-def float_rows(matrix: torch.Tensor, start: int, end: int, scale: float) -> torch.Tensor:
-    """A fresh ``[end - start, V] float32`` copy of ``matrix[start:end]`` times ``scale``."""
-    rows = matrix[start:end].to(torch.float32, copy=True)
-    return rows if scale == 1.0 else rows.mul_(scale)
+def temperature_scaled(rows: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    """``rows`` itself when ``inv_temperature == 1``, else a fresh float32 ``rows * inv_temperature``
+    (scaling in bf16 would round the logits)."""
+    if inv_temperature == 1.0:
+        return rows
+    return rows.to(torch.float32, copy=True).mul_(inv_temperature)

@@ -19,14 +19,14 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from vllm_sampling_mask.training._rows import (
     IGNORE_INDEX,
     ScoredRows,
-    float_rows,
     prepare_rows,
     segment_logsumexp,
+    temperature_scaled,
 )
 from vllm_sampling_mask.training.packed import PackedMasks
 
 DEFAULT_FULL_VOCAB_CHUNK = 1024
-"""Rows per chunk of the full-vocabulary logsumexp (a ``[chunk, V] float32`` temporary)."""
+"""Rows per chunk of the full-vocabulary log-softmax (``[chunk, V] float32`` temporaries)."""
 
 
 def support_logprobs(
@@ -57,10 +57,10 @@ def support_logprobs(
             processed log-probs are temperature-scaled).
         return_full: also return the full-vocabulary log-prob.
         check: validate masks, ids and that each scored row contains its sampled id (raises
-            ``ValueError`` with the first offending position). Costs one device sync; with
+            ``ValueError`` with the first offending position). Costs a few device syncs; with
             ``check=False`` a row that misses its token gets ``-inf`` and invalid ids are
             undefined behaviour.
-        chunk_size: rows per chunk of the full-vocabulary logsumexp (``return_full`` only).
+        chunk_size: rows per chunk of the full-vocabulary log-softmax (``return_full`` only).
 
     Returns:
         ``[T] float32`` kept-set log-probs, and with ``return_full`` a second ``[T] float32``
@@ -112,14 +112,14 @@ class _SupportLogprobs(torch.autograd.Function):
         ctx.full_chunk = full_chunk
         if full_chunk is None:
             return kept_lp
-        lse_full = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+        full_lp = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
         for start in range(0, num_rows, full_chunk):
             end = min(start + full_chunk, num_rows)
-            lse_full[start:end] = torch.logsumexp(
-                float_rows(logits, start, end, inv_temperature), dim=-1)
-        ctx.lse_full = lse_full
-        full_lp = torch.where(rows.scored, token_logits - lse_full, 0.0)
-        return kept_lp, full_lp
+            chunk_logprobs = torch.log_softmax(  # [chunk, V] fp32, one fused pass
+                temperature_scaled(logits[start:end], inv_temperature), dim=-1,
+                dtype=torch.float32)
+            full_lp[start:end] = chunk_logprobs.gather(1, rows.token_ids[start:end, None])[:, 0]
+        return kept_lp, torch.where(rows.scored, full_lp, 0.0)
 
     @staticmethod
     @once_differentiable
@@ -139,12 +139,12 @@ class _SupportLogprobs(torch.autograd.Function):
         else:
             grad = torch.empty((num_rows, vocab_size), dtype=logits.dtype, device=logits.device)
             g_full = torch.where(rows.scored, grad_full.float(), 0.0) * inv_temperature
-            # d(-logsumexp(z))/dz = -softmax(z), one [chunk, V] fp32 slab at a time.
+            # d(full log-prob)/dz = one-hot(token) - softmax(z), one [chunk, V] slab at a time.
             for start in range(0, num_rows, ctx.full_chunk):
                 end = min(start + ctx.full_chunk, num_rows)
-                slab = float_rows(logits, start, end, inv_temperature)
-                slab.sub_(ctx.lse_full[start:end, None]).exp_().mul_(-g_full[start:end, None])
-                grad[start:end].copy_(slab)
+                slab = torch.softmax(temperature_scaled(logits[start:end], inv_temperature),
+                                     dim=-1, dtype=torch.float32)
+                grad[start:end].copy_(slab.mul_(-g_full[start:end, None]))
             token_index = torch.arange(num_rows, device=logits.device)
             grad.view(-1).index_add_(
                 0, token_index * vocab_size + rows.token_ids, g_full.to(logits.dtype))
@@ -152,10 +152,9 @@ class _SupportLogprobs(torch.autograd.Function):
         # Kept set: one-hot(token) - softmax over the row, summed in fp32 before the one
         # rounding to the logits' dtype (the sampled id is in its row on every row with g != 0).
         kept_probs = torch.exp(ctx.kept - ctx.lse_kept[rows.kept_rows])  # [N]
-        is_sampled = (rows.kept_ids == rows.token_ids[rows.kept_rows]).float()
         grad.view(-1).index_add_(
             0, rows.kept_rows * vocab_size + rows.kept_ids,
-            (g_kept[rows.kept_rows] * (is_sampled - kept_probs)).to(logits.dtype),
+            (g_kept[rows.kept_rows] * (rows.kept_is_sampled.float() - kept_probs)).to(logits.dtype),
         )
         return grad, None, None, None
 

@@ -1,10 +1,11 @@
 """Kept-set log-probs straight from the last hidden states and the LM head: no ``[T, V]`` logits.
 
 Per chunk of ``C`` tokens, the logits are computed only for the union ``U`` of the chunk's kept
-ids and sampled ids (``hidden_chunk @ weight[U].T``, a ``[C, |U|]`` matmul), gathered per row,
-and reduced with a segment logsumexp. The backward recomputes each chunk (nothing ``[T, V]`` is
-saved) and accumulates the weight gradient rows of ``U``. ``return_full`` adds a chunked
-``[C, V]`` full-vocabulary logsumexp, also recomputed in the backward.
+ids and sampled ids (``hidden_chunk @ weight[U].T``, a ``[C, |U|]`` matmul) and the ``N`` kept
+logits are gathered and kept (``[N] float32``); a segment logsumexp reduces them per row. The
+backward scatters the ``[N]`` logit gradients back into ``[C, |U|]`` per chunk and runs the
+hidden and weight matmuls; nothing ``[T, V]`` is ever allocated. ``return_full`` adds a
+``[C, V]`` full-vocabulary log-softmax per chunk, recomputed in the backward.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from vllm_sampling_mask.training._rows import (
     ScoredRows,
     prepare_rows,
     segment_logsumexp,
+    temperature_scaled,
 )
 from vllm_sampling_mask.training.packed import PackedMasks
 
@@ -61,8 +63,8 @@ def support_logprobs_from_hidden(
 
     Differentiable w.r.t. ``hidden``, ``lm_head_weight`` and ``lm_head_bias``. Logits are
     computed in the inputs' dtype (as ``F.linear`` would) and reduced in fp32; the weight and
-    bias gradients are accumulated chunk by chunk in their own dtype. Syncs the device once to
-    plan the chunks (and once more with ``check``).
+    bias gradients are accumulated chunk by chunk in their own dtype. Syncs the device to plan
+    the chunks (and to validate, with ``check``).
     """
     if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
         raise ValueError(
@@ -95,21 +97,23 @@ def support_logprobs_from_hidden(
 
 @dataclass(frozen=True)
 class _Chunk:
-    """Tokens ``[start, end)`` and the vocabulary ids whose logits they need.
+    """Tokens ``[start, end)``, their kept ids ``[entry_start, entry_end)`` of the CSR, and the
+    vocabulary ids whose logits they need.
 
     Attributes:
         union_ids: ``[U] int64`` ascending union of the chunk's kept ids and sampled ids.
-        entry_rows: ``[n] int64`` chunk-local row of each of the chunk's kept ids.
-        entry_cols: ``[n] int64`` position of each kept id in ``union_ids``.
-        token_cols: ``[end - start] int64`` position of each sampled id in ``union_ids``.
+        entry_flat: ``[entry_end - entry_start] int64`` index of each kept id's logit in the
+            chunk's flattened ``[end - start, U]`` logits.
+        token_flat: ``[end - start] int64`` index of each sampled id's logit there.
     """
 
     start: int
     end: int
+    entry_start: int
+    entry_end: int
     union_ids: torch.Tensor
-    entry_rows: torch.Tensor
-    entry_cols: torch.Tensor
-    token_cols: torch.Tensor
+    entry_flat: torch.Tensor
+    token_flat: torch.Tensor
 
 
 def _plan_chunks(rows: ScoredRows, vocab_size: int, chunk_size: int) -> list[_Chunk]:
@@ -117,21 +121,26 @@ def _plan_chunks(rows: ScoredRows, vocab_size: int, chunk_size: int) -> list[_Ch
     num_rows = rows.num_rows
     device = rows.scored.device
     num_chunks = -(-num_rows // chunk_size)
+    token_rows = torch.arange(num_rows, device=device)
     entry_chunk = rows.kept_rows // chunk_size  # [N]
-    token_chunk = torch.arange(num_rows, device=device) // chunk_size  # [T]
+    token_chunk = token_rows // chunk_size  # [T]
     # Key (chunk, id) pairs so one sorted unique gives every chunk's union, chunk by chunk.
     keys = torch.cat([entry_chunk * vocab_size + rows.kept_ids,
                       token_chunk * vocab_size + rows.token_ids])
     unique_keys, inverse = torch.unique(keys, sorted=True, return_inverse=True)
     chunk_index = torch.arange(num_chunks + 1, device=device)
-    union_bounds = torch.searchsorted(unique_keys, chunk_index * vocab_size)  # [num_chunks + 1]
-    entry_bounds = rows.offsets[(chunk_index * chunk_size).clamp(max=num_rows)]
+    union_bounds = torch.searchsorted(unique_keys, chunk_index * vocab_size)  # [chunks + 1]
+    union_sizes = union_bounds[1:] - union_bounds[:-1]  # [chunks]
+    entry_bounds = rows.offsets[(chunk_index * chunk_size).clamp(max=num_rows)]  # [chunks + 1]
     union_bounds_host, entry_bounds_host = torch.stack([union_bounds, entry_bounds]).tolist()
 
     num_entries = rows.kept_ids.numel()
     union_ids = unique_keys % vocab_size
-    entry_cols = inverse[:num_entries] - union_bounds[entry_chunk]
-    token_cols = inverse[num_entries:] - union_bounds[token_chunk]
+    # Flat position in the chunk's [C, U] logits: local row * U + column in the union.
+    entry_flat = ((rows.kept_rows - entry_chunk * chunk_size) * union_sizes[entry_chunk]
+                  + inverse[:num_entries] - union_bounds[entry_chunk])
+    token_flat = ((token_rows - token_chunk * chunk_size) * union_sizes[token_chunk]
+                  + inverse[num_entries:] - union_bounds[token_chunk])
     chunks = []
     for c in range(num_chunks):
         start, end = c * chunk_size, min((c + 1) * chunk_size, num_rows)
@@ -139,27 +148,22 @@ def _plan_chunks(rows: ScoredRows, vocab_size: int, chunk_size: int) -> list[_Ch
         chunks.append(_Chunk(
             start=start,
             end=end,
+            entry_start=e0,
+            entry_end=e1,
             union_ids=union_ids[union_bounds_host[c]:union_bounds_host[c + 1]],
-            entry_rows=rows.kept_rows[e0:e1] - start,
-            entry_cols=entry_cols[e0:e1],
-            token_cols=token_cols[start:end],
+            entry_flat=entry_flat[e0:e1],
+            token_flat=token_flat[start:end],
         ))
     return chunks
 
 
-def _scaled_logits(
-    hidden_chunk: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    inv_temperature: float,
-) -> torch.Tensor:
-    """``[C, rows of weight] float32`` logits ``(hidden_chunk @ weight.T + bias) / temperature``."""
-    logits = F.linear(hidden_chunk, weight, bias).float()
-    return logits if inv_temperature == 1.0 else logits.mul_(inv_temperature)
-
-
 class _HiddenSupportLogprobs(torch.autograd.Function):
-    """Chunked kept-set (and optionally full-vocabulary) log-probs; recomputes in backward."""
+    """Chunked kept-set (and optionally full-vocabulary) log-probs.
+
+    The forward keeps the ``N`` kept logits (fp32), so the kept-set backward needs no logits
+    recompute: per chunk it scatters the ``[N]`` logit gradients into ``[C, U]`` and runs the
+    two weight/hidden matmuls. The full-vocabulary part recomputes ``[C, V]`` per chunk.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -173,34 +177,38 @@ class _HiddenSupportLogprobs(torch.autograd.Function):
         return_full: bool,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_rows = hidden.shape[0]
-        lse_kept = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
-        token_logits = torch.empty_like(lse_kept)
-        lse_full = torch.empty_like(lse_kept) if return_full else None
+        kept = torch.empty(rows.kept_ids.numel(), dtype=torch.float32, device=hidden.device)
+        token_logits = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+        full_lp = torch.empty_like(token_logits) if return_full else None
         for chunk in chunks:
             hidden_chunk = hidden[chunk.start:chunk.end]
-            union_logits = _scaled_logits(  # [C, U]
+            union_logits = F.linear(  # [C, U], in the inputs' dtype
                 hidden_chunk, weight.index_select(0, chunk.union_ids),
-                None if bias is None else bias.index_select(0, chunk.union_ids), inv_temperature)
-            kept = union_logits[chunk.entry_rows, chunk.entry_cols]
-            lse_kept[chunk.start:chunk.end] = segment_logsumexp(
-                kept, chunk.entry_rows, chunk.end - chunk.start)
-            token_logits[chunk.start:chunk.end] = union_logits.gather(
-                1, chunk.token_cols[:, None]).squeeze(1)
-            if lse_full is not None:
-                lse_full[chunk.start:chunk.end] = torch.logsumexp(
-                    _scaled_logits(hidden_chunk, weight, bias, inv_temperature), dim=-1)
+                None if bias is None else bias.index_select(0, chunk.union_ids)).view(-1)
+            kept[chunk.entry_start:chunk.entry_end] = union_logits[chunk.entry_flat]
+            token_logits[chunk.start:chunk.end] = union_logits[chunk.token_flat]
+            if full_lp is not None:
+                logprobs = torch.log_softmax(  # [C, V] fp32
+                    temperature_scaled(F.linear(hidden_chunk, weight, bias), inv_temperature),
+                    dim=-1, dtype=torch.float32)
+                full_lp[chunk.start:chunk.end] = logprobs.gather(
+                    1, rows.token_ids[chunk.start:chunk.end, None])[:, 0]
+        kept.mul_(inv_temperature)
+        token_logits.mul_(inv_temperature)
+        lse_kept = segment_logsumexp(kept, rows.kept_rows, num_rows)
 
         ctx.save_for_backward(hidden, weight, bias)
         ctx.rows = rows
         ctx.chunks = chunks
         ctx.inv_temperature = inv_temperature
+        ctx.kept = kept
         ctx.lse_kept = lse_kept
-        ctx.lse_full = lse_full
+        ctx.return_full = return_full
         kept_lp = torch.where(rows.has_token, token_logits - lse_kept, float("-inf"))
         kept_lp = torch.where(rows.scored, kept_lp, 0.0)
-        if lse_full is None:
+        if full_lp is None:
             return kept_lp
-        return kept_lp, torch.where(rows.scored, token_logits - lse_full, 0.0)
+        return kept_lp, torch.where(rows.scored, full_lp, 0.0)
 
     @staticmethod
     @once_differentiable
@@ -211,44 +219,46 @@ class _HiddenSupportLogprobs(torch.autograd.Function):
         rows: ScoredRows = ctx.rows
         inv_temperature: float = ctx.inv_temperature
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        vocab_size = weight.shape[0]
         # Constant outputs (padding rows, rows missing their token) pass no gradient.
         g_kept = torch.where(rows.scored & rows.has_token, grad_kept.float(), 0.0) * inv_temperature
+        # d(kept log-prob)/d(kept logit) = one-hot(token) - softmax over the row, [N] fp32.
+        kept_grad = g_kept[rows.kept_rows] * (
+            rows.kept_is_sampled.float() - torch.exp(ctx.kept - ctx.lse_kept[rows.kept_rows]))
         g_full = None
-        if ctx.lse_full is not None:
+        if ctx.return_full:
             g_full = torch.where(rows.scored, grad_full.float(), 0.0) * inv_temperature
 
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) \
+            if need_hidden else None
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = torch.zeros_like(bias) if need_bias else None
         for chunk in ctx.chunks:
             s, e = chunk.start, chunk.end
             hidden_chunk = hidden[s:e]
-            weight_union = weight.index_select(0, chunk.union_ids)  # [U, H]
-            union_logits = _scaled_logits(  # [C, U] fp32, recomputed
-                hidden_chunk, weight_union,
-                None if bias is None else bias.index_select(0, chunk.union_ids), inv_temperature)
-            kept = union_logits[chunk.entry_rows, chunk.entry_cols]
-            kept_probs = torch.exp(kept - ctx.lse_kept[s:e][chunk.entry_rows])
-            # d(log-prob)/d(logits) over the union columns: one-hot(token) - softmax(kept set).
-            grad_union = torch.zeros_like(union_logits)  # [C, U] fp32
-            grad_union.view(-1).index_add_(
-                0, chunk.entry_rows * grad_union.shape[1] + chunk.entry_cols,
-                -g_kept[s:e][chunk.entry_rows] * kept_probs)
-            g_token = g_kept[s:e] if g_full is None else g_kept[s:e] + g_full[s:e]
-            grad_union.scatter_add_(1, chunk.token_cols[:, None], g_token[:, None])
+            num_union = chunk.union_ids.numel()
+            grad_union = torch.zeros((e - s) * num_union, dtype=torch.float32,
+                                     device=hidden.device)
+            grad_union.index_add_(0, chunk.entry_flat,
+                                  kept_grad[chunk.entry_start:chunk.entry_end])
+            grad_union = grad_union.view(e - s, num_union)  # [C, U] fp32
 
             if g_full is None:
-                grad_logits = grad_union.to(weight.dtype)  # [C, U]
-                if need_hidden:
-                    grad_hidden[s:e] = grad_logits @ weight_union
-                if need_weight:
-                    grad_weight.index_add_(0, chunk.union_ids, grad_logits.T @ hidden_chunk)
                 if need_bias:
                     grad_bias.index_add_(0, chunk.union_ids, grad_union.sum(0).to(bias.dtype))
+                grad_logits = grad_union.to(weight.dtype)
+                if need_hidden:
+                    grad_hidden[s:e] = grad_logits @ weight.index_select(0, chunk.union_ids)
+                if need_weight:
+                    grad_weight.index_add_(0, chunk.union_ids, grad_logits.T @ hidden_chunk)
                 continue
-            # Full vocabulary: -g_full * softmax(all logits), plus the union columns.
-            full_grad = _scaled_logits(hidden_chunk, weight, bias, inv_temperature)  # [C, V]
-            full_grad.sub_(ctx.lse_full[s:e, None]).exp_().mul_(-g_full[s:e, None])
+            # Full vocabulary: (one-hot(token) - softmax(all logits)) * g_full, plus the union.
+            full_grad = torch.softmax(  # [C, V] fp32, recomputed
+                temperature_scaled(F.linear(hidden_chunk, weight, bias), inv_temperature),
+                dim=-1, dtype=torch.float32).mul_(-g_full[s:e, None])
+            local_rows = torch.arange(e - s, device=hidden.device)
+            full_grad.view(-1).index_add_(0, local_rows * vocab_size + rows.token_ids[s:e],
+                                          g_full[s:e])
             full_grad.index_add_(1, chunk.union_ids, grad_union)
             if need_bias:
                 grad_bias.add_(full_grad.sum(0).to(bias.dtype))

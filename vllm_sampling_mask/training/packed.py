@@ -16,17 +16,28 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 import numpy as np
 import torch
 
-from vllm_sampling_mask.compact_format import decode_compact_arrays, encode_compact_arrays
+from vllm_sampling_mask.compact_format import (
+    COMPACT_ENCODING,
+    decode_compact_arrays,
+    encode_compact_arrays,
+)
 
 MaskRows = Sequence[Sequence[int]]
 """``T`` rows of ascending vocabulary ids (``SamplingMask.token_ids``, vLLM >= 0.28 output)."""
 
-MasksLike = Union["PackedMasks", MaskRows, dict[str, Any], Any]
+
+class HasTokenIds(Protocol):
+    """A ``SamplingMask``-like object: ``token_ids`` holds rows or a compact wire-format dict."""
+
+    token_ids: MaskRows | dict[str, Any]
+
+
+MasksLike = Union["PackedMasks", MaskRows, dict[str, Any], HasTokenIds]
 """Anything ``PackedMasks.from_any`` accepts."""
 
 
@@ -117,7 +128,8 @@ class PackedMasks:
     def from_compact(
         cls, encoded: dict[str, Any], device: torch.device | str | None = None
     ) -> PackedMasks:
-        """Build from the compact HTTP wire format (``{"encoding": "csr-int32le-base64", ...}``).
+        """Build from a compact HTTP wire-format dict (``{"encoding": "csr-...", ...}``, every
+        encoding of ``compact_format.ENCODINGS``).
 
         Raises ``ValueError`` on an unknown encoding or inconsistent lengths.
         """
@@ -219,9 +231,10 @@ class PackedMasks:
         offsets = self.offsets.cpu().numpy()
         return [ids[offsets[t]:offsets[t + 1]].tolist() for t in range(self.num_rows)]
 
-    def to_compact(self) -> dict[str, Any]:
-        """The compact wire-format dict (``csr-int32le-base64``)."""
-        return encode_compact_arrays(self.row_lengths.cpu().numpy(), self.token_ids.cpu().numpy())
+    def to_compact(self, encoding: str = COMPACT_ENCODING) -> dict[str, Any]:
+        """The compact wire-format dict (any encoding of ``compact_format.ENCODINGS``)."""
+        return encode_compact_arrays(self.row_lengths.cpu().numpy(), self.token_ids.cpu().numpy(),
+                                     encoding=encoding)
 
     # ------------------------------------------------------------------ checks and layouts
 

@@ -1,0 +1,105 @@
+"""The capture path on a real GPU through real vLLM (``gpu`` marker; run on the H200).
+
+A Qwen3-0.6B-shaped model (vocab 151936; ``SAMPLING_MASK_GPU_MODEL``, default
+``/root/models/qwen3-0.6b`` as built by the device's make_models.py), 256 requests with async
+scheduling, chunked prefill (prompts longer than the token budget), prefix-cache hits (shared
+prefixes) and forced preemption (a KV cache far smaller than the batch needs). Every completion
+must satisfy the mask contract, and the FlashInfer sampler must never run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from mask_invariants import check_completion
+
+pytestmark = pytest.mark.gpu
+
+MODEL = os.environ.get("SAMPLING_MASK_GPU_MODEL", "/root/models/qwen3-0.6b")
+NUM_REQUESTS = 256
+
+
+def count_flashinfer_calls(worker, action: str):  # runs in the worker (collective_rpc)
+    import vllm.v1.worker.gpu.sample.sampler as sampler_module
+
+    if action == "install":
+        original = sampler_module.flashinfer_sample
+
+        def counting(*args, **kwargs):
+            counting.calls += 1
+            return original(*args, **kwargs)
+
+        counting.calls = 0
+        sampler_module.flashinfer_sample = counting
+    sampler = worker.model_runner.sampler
+    return {
+        "flashinfer_calls": getattr(sampler_module.flashinfer_sample, "calls", None),
+        "use_flashinfer": sampler.use_flashinfer,
+        "capture": sampler.__dict__.get("sampling_mask_capture") is not None,
+        "runner": type(worker.model_runner).__qualname__,
+    }
+
+
+@pytest.fixture(scope="module")
+def gpu_llm():
+    if not os.path.isdir(MODEL):
+        pytest.skip(f"GPU model {MODEL} not found (set SAMPLING_MASK_GPU_MODEL)")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    from vllm import LLM
+
+    llm = LLM(MODEL, return_sampling_mask=True, logprobs_mode="processed_logprobs",
+              tensor_parallel_size=int(os.environ.get("SAMPLING_MASK_GPU_TP", "1")),
+              async_scheduling=True, enable_prefix_caching=True, enable_chunked_prefill=True,
+              max_num_batched_tokens=2048, max_num_seqs=NUM_REQUESTS, max_model_len=4096,
+              num_gpu_blocks_override=1200, block_size=16, max_logprobs=80, seed=0,
+              disable_log_stats=False,
+              enforce_eager=os.environ.get("SAMPLING_MASK_GPU_EAGER", "1") == "1")
+    yield llm
+    del llm
+
+
+def test_capture_contract_at_batch_256(gpu_llm) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    before = gpu_llm.collective_rpc(count_flashinfer_calls, args=("install",))
+    rng = random.Random(0)
+    shared_prefix = [rng.randrange(100, 8000) for _ in range(512)]
+    prompts, params = [], []
+    for i in range(NUM_REQUESTS):
+        # 1 in 8 prompts exceeds the 2048-token budget (chunked prefill); half share a prefix.
+        length = 2600 if i % 8 == 0 else rng.randrange(16, 256)
+        body = [rng.randrange(100, 8000) for _ in range(length)]
+        prompts.append(TokensPrompt(prompt_token_ids=(shared_prefix + body) if i % 2 else body))
+        top_k = [20, 50, 64][i % 3]
+        params.append(SamplingParams(
+            temperature=[1.0, 0.8][i % 2], top_k=top_k, top_p=[1.0, 0.95, 0.8][i % 3],
+            min_p=0.02 if i % 5 == 0 else 0.0, presence_penalty=0.3 if i % 7 == 0 else 0.0,
+            logprobs=top_k + 8, max_tokens=rng.randrange(32, 192), seed=i if i % 4 == 0 else None,
+            stop_token_ids=[rng.randrange(100, 8000) for _ in range(20)] if i % 6 == 0 else None))
+    outputs = gpu_llm.generate(prompts, params, use_tqdm=False)
+    completions = [c for o in outputs for c in o.outputs]
+    violations = {i: check_completion(c, with_logprobs=True) for i, c in enumerate(completions)}
+    violations = {i: v for i, v in violations.items() if v}
+    after = gpu_llm.collective_rpc(count_flashinfer_calls, args=("report",))
+    metrics = {m.name: getattr(m, "value", None) for m in gpu_llm.get_metrics()
+               if "preempt" in m.name or "prefix_cache" in m.name}
+    summary = {
+        "requests": len(completions),
+        "tokens": sum(len(c.token_ids) for c in completions),
+        "rows_wider_than_top_k": sum(len(r) > 64 for c in completions for r in c.sampling_mask.token_ids),
+        "mean_row_width": sum(len(r) for c in completions for r in c.sampling_mask.token_ids)
+        / max(1, sum(len(c.token_ids) for c in completions)),
+        "violations": len(violations),
+        "metrics": metrics,
+        "workers": after,
+    }
+    print("GPU_E2E_SUMMARY " + json.dumps(summary), flush=True)
+    assert not violations, dict(list(violations.items())[:5])
+    assert before[0]["capture"] and not before[0]["use_flashinfer"]
+    assert all(w["flashinfer_calls"] == 0 for w in after)
+    assert summary["requests"] == NUM_REQUESTS
