@@ -3,13 +3,13 @@
 Kept = finite (NaN, +inf and -inf are not kept). For ``logits`` ``[R, V]`` and a width ``W`` the
 result is, per row ``r``:
 
-- ``counts[r]``: the exact number of kept ids (may exceed ``W``);
-- ``ids[r, :min(counts[r], W)]``: the first kept ids, ascending (slots past the count are
+- ``packed[r, 0]``: the exact number of kept ids (may exceed ``W``);
+- ``packed[r, 1 : 1 + min(count, W)]``: the first kept ids, ascending (slots past the count are
   unspecified);
 - ``bits[r]``: all kept ids as a little-endian bitmap, bit ``v % 32`` of word ``v // 32``.
 
-So a row of at most ``W`` ids is read from ``ids``, and a wider one (top-k boundary ties, top_k
-above the width cap) from ``bits``: the host copies ``[R, W]`` ids each step and touches a
+So a row of at most ``W`` ids is read from ``packed``, and a wider one (top-k boundary ties, top_k
+above the width cap) from ``bits``: the host copies ``[R, 1 + W]`` int32 each step and touches a
 ``[R, ceil(V / 32)]`` bitmap only when some row overflows.
 
 Two launches, each over ``(R, ceil(V / BLOCK))`` programs, so a batch of one row still spreads
@@ -37,15 +37,25 @@ BITS_PER_WORD = 32
 class CompactSupport:
     """Result of ``compact_support`` (all tensors on the logits' device).
 
-    ids:    ``[R, W]`` int32, ascending kept ids of each row, valid up to ``min(counts, W)``.
-    counts: ``[R]`` int32, exact kept count of each row.
+    packed: ``[R, 1 + W]`` int32, column 0 the exact kept count of each row, columns 1.. its
+            ascending kept ids (valid up to ``min(count, W)``): one contiguous block, so the
+            per-step device->host transfer is a single copy.
     bits:   ``[R, ceil(V / 32)]`` int32, bitmap of the kept ids of each row.
     """
 
-    ids: torch.Tensor
-    counts: torch.Tensor
+    packed: torch.Tensor
     bits: torch.Tensor
     vocab_size: int
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """``[R]`` int32 view: exact kept count of each row (may exceed W)."""
+        return self.packed[:, 0]
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """``[R, W]`` int32 view: the first ``min(count, W)`` kept ids of each row."""
+        return self.packed[:, 1:]
 
 
 @triton.jit
@@ -54,8 +64,8 @@ def _count_and_pack_kernel(
     logits_stride,
     block_counts_ptr,
     bits_ptr,
+    scratch_stride,
     vocab_size,
-    num_blocks,
     num_words,
     BLOCK: tl.constexpr,
 ):
@@ -68,22 +78,22 @@ def _count_and_pack_kernel(
     # x - x is 0 exactly for finite x, NaN for +-inf and NaN (no libdevice needed).
     kept = ((x - x) == 0.0) & in_vocab
     kept_i32 = kept.to(tl.int32)
-    tl.store(block_counts_ptr + row * num_blocks + block, tl.sum(kept_i32, axis=0))
+    tl.store(block_counts_ptr + row * scratch_stride + block, tl.sum(kept_i32, axis=0))
 
     WORDS: tl.constexpr = BLOCK // 32
     # Distinct powers of two never carry, so the sum is the bitwise OR of the word.
     shifted = tl.reshape(kept_i32, (WORDS, 32)) << tl.arange(0, 32)[None, :]
     words = tl.sum(shifted, axis=1)
     word_offs = block * WORDS + tl.arange(0, WORDS)
-    tl.store(bits_ptr + row * num_words + word_offs, words, mask=word_offs < num_words)
+    tl.store(bits_ptr + row * scratch_stride + word_offs, words, mask=word_offs < num_words)
 
 
 @triton.jit
 def _scatter_ids_kernel(
     block_counts_ptr,
     bits_ptr,
-    ids_ptr,
-    counts_ptr,
+    packed_ptr,
+    scratch_stride,
     num_blocks,
     num_words,
     width,
@@ -94,19 +104,21 @@ def _scatter_ids_kernel(
     block = tl.program_id(1)
     block_ids = tl.arange(0, NUM_BLOCKS_POW2)
     row_counts = tl.load(
-        block_counts_ptr + row * num_blocks + block_ids, mask=block_ids < num_blocks, other=0
+        block_counts_ptr + row * scratch_stride + block_ids, mask=block_ids < num_blocks, other=0
     )
     offset = tl.sum(tl.where(block_ids < block, row_counts, 0), axis=0)
+    out_row = packed_ptr + row * (width + 1)
     if block == 0:
-        tl.store(counts_ptr + row, tl.sum(row_counts, axis=0))
+        tl.store(out_row, tl.sum(row_counts, axis=0))
     if offset < width:
         WORDS: tl.constexpr = BLOCK // 32
         word_offs = block * WORDS + tl.arange(0, WORDS)
-        words = tl.load(bits_ptr + row * num_words + word_offs, mask=word_offs < num_words, other=0)
+        words = tl.load(bits_ptr + row * scratch_stride + word_offs, mask=word_offs < num_words,
+                        other=0)
         kept = tl.reshape((words[:, None] >> tl.arange(0, 32)[None, :]) & 1, (BLOCK,))
         position = offset + tl.cumsum(kept, axis=0) - 1
         vocab_ids = block * BLOCK + tl.arange(0, BLOCK)
-        tl.store(ids_ptr + row * width + position, vocab_ids, mask=(kept != 0) & (position < width))
+        tl.store(out_row + 1 + position, vocab_ids, mask=(kept != 0) & (position < width))
 
 
 def _block_size(logits: torch.Tensor) -> int:
@@ -133,22 +145,23 @@ def compact_support(logits: torch.Tensor, width: int) -> CompactSupport:
     num_blocks = triton.cdiv(vocab_size, block)
     num_words = triton.cdiv(vocab_size, BITS_PER_WORD)
     device = logits.device
-    ids = torch.empty((num_rows, width), dtype=torch.int32, device=device)
-    counts = torch.empty((num_rows,), dtype=torch.int32, device=device)
-    bits = torch.empty((num_rows, num_words), dtype=torch.int32, device=device)
+    packed = torch.empty((num_rows, width + 1), dtype=torch.int32, device=device)
+    # One scratch allocation for the bitmap (returned) and the per-block counts (internal).
+    scratch = torch.empty((num_rows, num_words + num_blocks), dtype=torch.int32, device=device)
+    bits, block_counts = scratch[:, :num_words], scratch[:, num_words:]
     if num_rows == 0:
-        return CompactSupport(ids, counts, bits, vocab_size)
-    block_counts = torch.empty((num_rows, num_blocks), dtype=torch.int32, device=device)
+        return CompactSupport(packed, bits, vocab_size)
+    row_stride = scratch.stride(0)
     grid = (num_rows, num_blocks)
     _count_and_pack_kernel[grid](
-        logits, logits.stride(0), block_counts, bits, vocab_size, num_blocks, num_words,
+        logits, logits.stride(0), block_counts, bits, row_stride, vocab_size, num_words,
         BLOCK=block, num_warps=8,
     )
     _scatter_ids_kernel[grid](
-        block_counts, bits, ids, counts, num_blocks, num_words, width,
+        block_counts, bits, packed, row_stride, num_blocks, num_words, width,
         BLOCK=block, NUM_BLOCKS_POW2=triton.next_power_of_2(num_blocks), num_warps=8,
     )
-    return CompactSupport(ids, counts, bits, vocab_size)
+    return CompactSupport(packed, bits, vocab_size)
 
 
 def compact_support_reference(logits: torch.Tensor, width: int) -> CompactSupport:
@@ -156,10 +169,11 @@ def compact_support_reference(logits: torch.Tensor, width: int) -> CompactSuppor
     num_rows, vocab_size = logits.shape
     kept = torch.isfinite(logits.float())
     counts = kept.sum(dim=1, dtype=torch.int32)
-    ids = torch.full((num_rows, width), -1, dtype=torch.int32, device=logits.device)
+    packed = torch.full((num_rows, width + 1), -1, dtype=torch.int32, device=logits.device)
+    packed[:, 0] = counts
     for row in range(num_rows):
         row_ids = kept[row].nonzero().flatten()[:width].to(torch.int32)
-        ids[row, : row_ids.numel()] = row_ids
+        packed[row, 1 : 1 + row_ids.numel()] = row_ids
     num_words = -(-vocab_size // BITS_PER_WORD)
     padded = torch.zeros((num_rows, num_words * BITS_PER_WORD), dtype=torch.int64,
                          device=logits.device)
@@ -168,4 +182,4 @@ def compact_support_reference(logits: torch.Tensor, width: int) -> CompactSuppor
         BITS_PER_WORD, device=logits.device)
     words = (padded.view(num_rows, num_words, BITS_PER_WORD) * weights).sum(dim=2)
     bits = (((words + (1 << 31)) % (1 << 32)) - (1 << 31)).to(torch.int32)  # wrap to int32
-    return CompactSupport(ids, counts, bits, vocab_size)
+    return CompactSupport(packed, bits, vocab_size)

@@ -49,27 +49,22 @@ class DeviceStepMasks:
         """Issue device->host copies on the current stream (the caller's copy stream)."""
         s = self.support
         bits = s.bits.to("cpu", non_blocking=True) if self.overflow_expected else None
-        return HostStepMasks(
-            ids=s.ids.to("cpu", non_blocking=True),
-            counts=s.counts.to("cpu", non_blocking=True),
-            bits=bits,
-            device=self,
-        )
+        return HostStepMasks(packed=s.packed.to("cpu", non_blocking=True), bits=bits, device=self)
 
 
 @dataclass
 class HostStepMasks:
     """Host tensors being filled by the async copy; read only after the copy event fired."""
 
-    ids: torch.Tensor
-    counts: torch.Tensor
+    packed: torch.Tensor  # [R, 1 + W] int32: count, then ids (see CompactSupport)
     bits: torch.Tensor | None
     device: DeviceStepMasks
 
     def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
         """CSR rows; ``num_sampled`` ``[R]`` int, rows with 0 sampled tokens yield nothing."""
-        ids = self.ids.numpy()
-        counts = self.counts.numpy().astype(np.int32, copy=True)
+        packed = self.packed.numpy()
+        ids = packed[:, 1:]
+        counts = packed[:, 0].astype(np.int32, copy=True)
         counts[np.asarray(num_sampled[: counts.size]) == 0] = 0
         width = ids.shape[1]
         overflow = np.flatnonzero(counts > width)

@@ -1,0 +1,44 @@
+"""Sampler-side decisions: the compact width, the overflow path, FlashInfer off (no engine)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm_sampling_mask.worker.sampler import SamplingMaskCapture, attach_capture
+
+
+def fake_sampler(vocab_size: int) -> SimpleNamespace:
+    return SimpleNamespace(use_flashinfer=True, sampling_states=SimpleNamespace(vocab_size=vocab_size))
+
+
+def fake_config(enabled: bool, **extra) -> SimpleNamespace:
+    return SimpleNamespace(additional_config={"return_sampling_mask": enabled, **extra})
+
+
+def test_capture_turns_the_flashinfer_sampler_off() -> None:
+    sampler = fake_sampler(1000)
+    attach_capture(sampler, fake_config(True, sampling_mask_max_width=64))
+    assert sampler.use_flashinfer is False
+    capture = sampler.__dict__["sampling_mask_capture"]
+    assert (capture.max_width, capture.vocab_size) == (64, 1000)
+
+
+def test_switch_off_leaves_the_sampler_alone() -> None:
+    sampler = fake_sampler(1000)
+    attach_capture(sampler, fake_config(False))
+    assert sampler.use_flashinfer is True and "sampling_mask_capture" not in sampler.__dict__
+
+
+def test_width_is_the_batch_largest_top_k_capped() -> None:
+    capture = SamplingMaskCapture(max_width=32, vocab_size=500)
+    logits = torch.randn(3, 500)
+    step = capture.compact(logits, np.array([5, 20, 9], dtype=np.int32))
+    assert step.support.ids.shape == (3, 20) and not step.overflow_expected
+    # "no top_k" is stored by vLLM as the vocabulary size: capped width, bitmap copied eagerly.
+    step = capture.compact(logits, np.array([5, 500, 9], dtype=np.int32))
+    assert step.support.ids.shape == (3, 32) and step.overflow_expected
+    host = step.copy_to_host_nonblocking().unpack(np.ones(3, dtype=np.int32))
+    assert host.row(1).tolist() == list(range(500))  # exact beyond the cap
