@@ -113,8 +113,8 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.v1.core.sched.scheduler:EngineCoreOutput",
         make=f"{_P}.engine.transport:replace_engine_core_output",
-        why="The scheduler's outputs are built as our msgspec subclass with a trailing "
-        "sampling_mask field (omitted from the wire when None).",
+        why="Inside update_from_output of a mask engine, outputs are built as our msgspec "
+        "subclass with a trailing sampling_mask field; elsewhere as vLLM's class (same bytes).",
         process="engine-core",
     ),
     Patch(

@@ -13,7 +13,7 @@ import functools
 from typing import Any
 
 from vllm_sampling_mask.config import SamplingMaskConfig
-from vllm_sampling_mask.engine.transport import SamplingMaskRows
+from vllm_sampling_mask.engine.transport import SamplingMaskRows, outputs_carry_masks
 
 
 def wrap_init(original: Any) -> Any:
@@ -38,9 +38,10 @@ def wrap_update_from_output(original: Any) -> Any:
 
     @functools.wraps(original)
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        outputs = original(self, scheduler_output, model_runner_output)
         if not self.__dict__.get("sampling_mask_enabled"):
-            return outputs
+            return original(self, scheduler_output, model_runner_output)
+        with outputs_carry_masks():
+            outputs = original(self, scheduler_output, model_runner_output)
         step = getattr(model_runner_output, "sampling_masks", None)
         index = model_runner_output.req_id_to_index
         for engine_core_outputs in outputs.values():

@@ -65,7 +65,11 @@ def wrap_new_completion_output(original: Any) -> Any:
                     f"sampling mask of request {self.request_id} has {len(rows)} rows for "
                     f"{len(completion.token_ids)} tokens. This is a bug in vllm-sampling-mask."
                 )
-            completion.sampling_mask = SamplingMask(rows[start:])
+            # CUMULATIVE outputs hand out the detokenizer's live token list, which keeps
+            # growing after the output is returned: share the live row list the same way so
+            # the two stay aligned for a consumer that reads the output later.
+            live = start == 0 and completion.token_ids is getattr(self.detokenizer, "token_ids", None)
+            completion.sampling_mask = SamplingMask(rows if live else rows[start:])
         return completion
 
     return _new_completion_output

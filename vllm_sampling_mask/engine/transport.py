@@ -1,15 +1,19 @@
 """Masks across the engine-core -> frontend msgspec boundary (extends ``vllm/v1/engine/__init__.py``).
 
 ``EngineCoreOutput`` is an ``array_like`` msgspec Struct with fixed fields. A subclass with one
-trailing optional field encodes as one extra array element (none at all when it is ``None``,
-thanks to ``omit_defaults``: with masks off the wire bytes are vLLM's), but a decoder typed with
-the base class silently drops that element, so the client's decoder is typed with
-``EngineCoreOutputsWithMasks`` and checked at start-up.
+trailing optional field encodes as one extra array element. msgspec encodes that element even when
+it is ``None`` (``omit_defaults`` does not apply to ``array_like`` structs), so the scheduler builds
+the subclass only inside the ``update_from_output`` of an engine whose switch is on; every other
+output is vLLM's own class and vLLM's own bytes. A decoder typed with the base class silently
+drops the extra element, so the client's decoder is typed with ``EngineCoreOutputsWithMasks``
+(which decodes vLLM's shorter arrays too) and checked at start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -37,6 +41,9 @@ class SamplingMaskRows(msgspec.Struct, array_like=True, gc=False):  # type: igno
         return cls([int(row.size)], row.astype("<i4", copy=False).tobytes())
 
     def to_lists(self) -> list[list[int]]:
+        """The rows as ``list[list[int]]`` (one per token)."""
+        if not self.row_lengths:
+            return []
         ids = np.frombuffer(self.token_ids, dtype="<i4")
         if len(self.row_lengths) == 1:
             return [ids.tolist()]
@@ -59,10 +66,30 @@ class EngineCoreOutputsWithMasks(
     outputs: list[EngineCoreOutputWithMask] = []  # type: ignore[assignment]
 
 
-def replace_engine_core_output(original: type) -> type:
-    """Scheduler binding of ``EngineCoreOutput`` -> our subclass (every output can carry rows)."""
+_building_with_masks = False
+
+
+@contextlib.contextmanager
+def outputs_carry_masks() -> Iterator[None]:
+    """Within this block the scheduler builds ``EngineCoreOutputWithMask`` (engine core thread)."""
+    global _building_with_masks
+    _building_with_masks = True
+    try:
+        yield
+    finally:
+        _building_with_masks = False
+
+
+def replace_engine_core_output(original: type) -> Callable[..., Any]:
+    """Scheduler binding of ``EngineCoreOutput``: our subclass inside ``outputs_carry_masks``,
+    vLLM's class (and so vLLM's exact wire bytes) everywhere else."""
     assert original is EngineCoreOutput
-    return EngineCoreOutputWithMask
+
+    def engine_core_output(*args: Any, **kwargs: Any) -> EngineCoreOutput:
+        cls = EngineCoreOutputWithMask if _building_with_masks else original
+        return cls(*args, **kwargs)
+
+    return engine_core_output
 
 
 def replace_engine_core_outputs(original: type) -> type:

@@ -1,0 +1,436 @@
+"""Rows accumulated per request and attached to completions (``engine/output_processor.py``).
+
+A real vLLM 0.26 ``OutputProcessor`` (real tokenizer, real detokenizer) is fed hand-built
+``EngineCoreOutputWithMask``es, as the core client hands them over, in every output kind. Each
+token ``i`` of request ``k`` carries a recognisable row (the token plus ids from
+``2048 + 512 * k + 8 * i``), so every assertion compares exact rows with exact token ids.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from copy import copy
+from dataclasses import dataclass, field
+
+import pytest
+
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.tokenizers import TokenizerLike, get_tokenizer
+from vllm.v1.engine import EngineCoreRequest, FinishReason
+from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
+from vllm.v1.engine.parallel_sampling import ParentRequest
+
+from vllm_builders import engine_core_output, engine_core_request, sampling_params
+from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask
+
+DELTA = RequestOutputKind.DELTA
+CUMULATIVE = RequestOutputKind.CUMULATIVE
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+PROMPT = [1003, 283, 70]
+
+Row = list[int]
+
+
+# --------------------------------------------------------------------------- builders
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: str) -> TokenizerLike:
+    return get_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def text_tokens(tokenizer: TokenizerLike) -> list[int]:
+    """Token ids of a text whose detokenization contains the stop string ``STOP``."""
+    return tokenizer.encode("hello world. The end STOP here and more", add_special_tokens=False)
+
+
+def make_processor(
+    tokenizer: TokenizerLike, *, enabled: bool = True, stream_interval: int = 1
+) -> OutputProcessor:
+    """An output processor as ``LLMEngine``/``AsyncLLM`` build it, with the engine's switch."""
+    processor = OutputProcessor(tokenizer, log_stats=False, stream_interval=stream_interval)
+    processor.__dict__["sampling_mask_enabled"] = enabled
+    return processor
+
+
+@dataclass
+class FakeEngineCore:
+    """Emits engine-core outputs with recognisable rows; remembers every row it sent."""
+
+    sent_rows: dict[str, list[Row]] = field(default_factory=dict)
+    with_masks: bool = True
+
+    def row(self, request_id: str, token: int) -> Row:
+        """Row of the request's next token: ``k`` is 1, 2, 3, 1, ... in order of first output."""
+        sent = self.sent_rows.setdefault(request_id, [])
+        k = 1 + list(self.sent_rows).index(request_id) % 3  # dicts keep insertion order
+        i = len(sent)
+        return sorted({token} | {2048 + 512 * k + 8 * i + j for j in range(1 + i % 3)})
+
+    def output(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        finish_reason: FinishReason | None = None,
+        stop_reason: int | str | None = None,
+    ) -> EngineCoreOutputWithMask:
+        rows = []
+        for token in tokens:
+            rows.append(self.row(request_id, token))
+            self.sent_rows[request_id].append(rows[-1])
+        return engine_core_output(
+            request_id, tokens, rows if self.with_masks else None,
+            finish_reason=finish_reason, stop_reason=stop_reason,
+        )
+
+
+def add(
+    processor: OutputProcessor,
+    request_id: str,
+    kind: RequestOutputKind,
+    *,
+    queue: RequestOutputCollector | None = None,
+    **params: object,
+) -> EngineCoreRequest:
+    request = engine_core_request(request_id, PROMPT, sampling_params(output_kind=kind, **params))
+    processor.add_request(request, None, queue=queue)
+    return request
+
+
+def add_children(
+    processor: OutputProcessor,
+    parent_id: str,
+    kind: RequestOutputKind,
+    *,
+    queue: RequestOutputCollector | None = None,
+) -> list[str]:
+    """An n=2 request fanned out into children as ``LLMEngine``/``AsyncLLM.add_request`` do."""
+    parent_request = engine_core_request(parent_id, PROMPT, sampling_params(output_kind=kind, n=2))
+    parent = ParentRequest(parent_request)
+    child_ids = []
+    for index in range(2):
+        child_id, child_params = parent.get_child_info(index)
+        child = copy(parent_request)
+        child.request_id, child.sampling_params = child_id, child_params
+        processor.add_request(child, None, parent, index, queue)
+        child_ids.append(child_id)
+    return child_ids
+
+
+def process(processor: OutputProcessor, *outputs: EngineCoreOutputWithMask) -> list[RequestOutput]:
+    return processor.process_outputs(list(outputs)).request_outputs
+
+
+def only_completion(outputs: list[RequestOutput]) -> CompletionOutput:
+    (output,) = outputs
+    (completion,) = output.outputs
+    return completion
+
+
+def assert_aligned(completion: CompletionOutput) -> None:
+    """One row per token id, and row i contains token i."""
+    assert completion.sampling_mask is not None
+    rows = completion.sampling_mask.token_ids
+    assert len(rows) == len(completion.token_ids)
+    assert all(token in row for token, row in zip(completion.token_ids, rows))
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def test_final_only_returns_all_rows_once(tokenizer: TokenizerLike, text_tokens: list[int]) -> None:
+    """FINAL_ONLY: nothing until the request finishes, then one output with every row, in order
+    (including a step that delivered two tokens with two rows)."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    add(processor, "a", FINAL_ONLY)
+    assert process(processor, engine.output("a", text_tokens[0:1])) == []
+    assert process(processor, engine.output("a", text_tokens[1:3])) == []
+    final = only_completion(process(
+        processor, engine.output("a", text_tokens[3:4], FinishReason.LENGTH)
+    ))
+
+    assert list(final.token_ids) == text_tokens[:4]
+    assert final.sampling_mask.token_ids == engine.sent_rows["a"]
+    assert_aligned(final)
+    assert "a" not in processor.request_states
+
+
+def test_cumulative_outputs_carry_all_rows_so_far(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """CUMULATIVE: every output holds all rows so far, aligned with its token ids (checked when
+    it is produced: vLLM's CUMULATIVE ``token_ids`` is the detokenizer's live list)."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    add(processor, "a", CUMULATIVE)
+    steps = [(text_tokens[i:i + 1], None) for i in range(4)]
+    steps.append((text_tokens[4:6], FinishReason.STOP))
+    sent = 0
+    for tokens, finish in steps:
+        completion = only_completion(process(processor, engine.output("a", tokens, finish)))
+        sent += len(tokens)
+        assert list(completion.token_ids) == text_tokens[:sent]
+        assert completion.sampling_mask.token_ids == engine.sent_rows["a"][:sent]
+        assert_aligned(completion)
+    assert completion.finished() and "a" not in processor.request_states
+
+
+def test_held_cumulative_output_stays_aligned(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """A CUMULATIVE output kept by a consumer while later steps are processed (an AsyncLLM
+    consumer awaiting between outputs) still has one row per token id."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    add(processor, "a", CUMULATIVE)
+    held = only_completion(process(processor, engine.output("a", text_tokens[:1])))
+    process(processor, engine.output("a", text_tokens[1:3]))
+    assert len(held.sampling_mask.token_ids) == len(held.token_ids)
+
+
+def test_delta_outputs_carry_only_their_rows(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """DELTA: each output carries exactly the rows of its new tokens; the concatenation of the
+    deltas' masks is every row."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    add(processor, "a", DELTA)
+    sizes = [1, 2, 1, 3]
+    deltas, start = [], 0
+    for i, size in enumerate(sizes):
+        finish = FinishReason.LENGTH if i == len(sizes) - 1 else None
+        deltas.append(only_completion(process(
+            processor, engine.output("a", text_tokens[start:start + size], finish)
+        )))
+        start += size
+
+    start = 0
+    for size, delta in zip(sizes, deltas):
+        assert list(delta.token_ids) == text_tokens[start:start + size]
+        assert delta.sampling_mask.token_ids == engine.sent_rows["a"][start:start + size]
+        start += size
+    assert [r for d in deltas for r in d.sampling_mask.token_ids] == engine.sent_rows["a"]
+
+
+def test_delta_collector_merges_masks_like_token_ids(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """DELTA through ``RequestOutputCollector``: deltas put before a get are coalesced by
+    ``RequestOutput.add``; the merged mask is the merged token ids' rows, and the next get
+    starts after them."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    collector = RequestOutputCollector(DELTA, "a")
+    add(processor, "a", DELTA, queue=collector)
+    for i in range(3):  # three deltas queued while the consumer is busy
+        assert process(processor, engine.output("a", text_tokens[i:i + 1])) == []
+    merged = only_completion([collector.get_nowait()])
+    assert list(merged.token_ids) == text_tokens[:3]
+    assert merged.sampling_mask.token_ids == engine.sent_rows["a"][:3]
+
+    process(processor, engine.output("a", text_tokens[3:5]))
+    process(processor, engine.output("a", text_tokens[5:6], FinishReason.LENGTH))
+    last = collector.get_nowait()
+    assert last.finished
+    assert list(last.outputs[0].token_ids) == text_tokens[3:6]
+    assert last.outputs[0].sampling_mask.token_ids == engine.sent_rows["a"][3:6]
+
+
+def test_cumulative_collector_keeps_the_latest_mask(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """CUMULATIVE through the collector: ``add`` replaces rather than merges, and the mask
+    follows (all rows so far, not doubled)."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    collector = RequestOutputCollector(CUMULATIVE, "a")
+    add(processor, "a", CUMULATIVE, queue=collector)
+    for i in range(3):
+        process(processor, engine.output("a", text_tokens[i:i + 1]))
+    latest = only_completion([collector.get_nowait()])
+    assert list(latest.token_ids) == text_tokens[:3]
+    assert latest.sampling_mask.token_ids == engine.sent_rows["a"]
+
+
+@pytest.mark.parametrize("kind", [FINAL_ONLY, DELTA], ids=["final_only", "delta"])
+def test_n2_children_each_carry_their_own_mask(
+    tokenizer: TokenizerLike, text_tokens: list[int], kind: RequestOutputKind
+) -> None:
+    """n=2 (``ParentRequest`` fan-out as ``LLMEngine.add_request`` does it): each completion's
+    mask is its own child's rows, never the sibling's."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    first, second = add_children(processor, "p", kind)
+    a, b = text_tokens[0:3], text_tokens[5:8]
+
+    outputs = process(processor, engine.output(first, a[:1]), engine.output(second, b[:2]))
+    outputs += process(processor, engine.output(first, a[1:], FinishReason.LENGTH))
+    outputs += process(processor, engine.output(second, b[2:], FinishReason.LENGTH))
+
+    completions: dict[int, list[CompletionOutput]] = {0: [], 1: []}
+    for output in outputs:
+        assert output.request_id == "p"
+        for completion in output.outputs:
+            completions[completion.index].append(completion)
+    if kind == FINAL_ONLY:
+        assert len(outputs) == 1 and len(outputs[0].outputs) == 2
+    for index, (child_id, tokens) in enumerate([(first, a), (second, b)]):
+        got_tokens = [t for c in completions[index] for t in c.token_ids]
+        got_rows = [r for c in completions[index] for r in c.sampling_mask.token_ids]
+        assert got_tokens == tokens
+        assert got_rows == engine.sent_rows[child_id]
+        for completion in completions[index]:
+            assert_aligned(completion)
+
+
+def test_n2_delta_collector_merges_each_childs_mask(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """n=2 DELTA through the parent's one collector (as ``AsyncLLM`` does): coalescing merges
+    each child's rows into that child's completion only."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    collector = RequestOutputCollector(DELTA, "p")
+    child_ids = add_children(processor, "p", DELTA, queue=collector)
+    first, second = child_ids
+    process(processor, engine.output(second, text_tokens[5:6]))  # index 1 arrives first
+    process(processor, engine.output(first, text_tokens[0:2]),
+            engine.output(second, text_tokens[6:7]))
+    process(processor, engine.output(first, text_tokens[2:3]))
+
+    merged = collector.get_nowait()
+    by_index = {c.index: c for c in merged.outputs}
+    assert sorted(by_index) == [0, 1]
+    assert list(by_index[0].token_ids) == text_tokens[0:3]
+    assert by_index[0].sampling_mask.token_ids == engine.sent_rows[first]
+    assert list(by_index[1].token_ids) == text_tokens[5:7]
+    assert by_index[1].sampling_mask.token_ids == engine.sent_rows[second]
+
+
+@pytest.mark.parametrize("kind", [CUMULATIVE, DELTA], ids=["cumulative", "delta"])
+def test_abort_midway_final_output_aligned_and_state_freed(
+    tokenizer: TokenizerLike, text_tokens: list[int], kind: RequestOutputKind
+) -> None:
+    """Abort mid-way: the final (ABORT) output's mask is aligned with its token ids (all of them
+    in CUMULATIVE, none in DELTA); the request state holding the rows is dropped and freed; a
+    late engine output for it is ignored."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    collector = RequestOutputCollector(kind, "a")
+    add(processor, "a", kind, queue=collector)
+    for i in range(3):
+        process(processor, engine.output("a", text_tokens[i:i + 1]))
+    collector.get_nowait()
+    state = weakref.ref(processor.request_states["a"])
+
+    assert processor.abort_requests(["a"], internal=True) == ["a"]
+    final = collector.get_nowait()
+    completion = final.outputs[0]
+    assert final.finished and completion.finish_reason == "abort"
+    expected = 3 if kind == CUMULATIVE else 0
+    assert list(completion.token_ids) == text_tokens[:expected]
+    assert completion.sampling_mask.token_ids == engine.sent_rows["a"][:expected]
+    assert "a" not in processor.request_states
+    assert state() is None  # freed by reference counting: nothing else holds it
+
+    assert process(processor, engine.output("a", text_tokens[3:4])) == []
+    assert "a" not in processor.request_states
+
+
+@pytest.mark.parametrize("kind", [CUMULATIVE, DELTA], ids=["cumulative", "delta"])
+def test_stop_string_finishes_with_aligned_mask(
+    tokenizer: TokenizerLike, text_tokens: list[int], kind: RequestOutputKind
+) -> None:
+    """A stop string found by the detokenizer (the engine did not stop): the output finishes
+    with stop_reason "STOP", its mask is aligned with its token ids, the request is handed back
+    for abort in the engine, and its state is gone."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    add(processor, "a", kind, stop=["STOP"])
+    stop_end = next(
+        n for n in range(1, len(text_tokens) + 1)
+        if "STOP" in tokenizer.decode(text_tokens[:n])
+    )
+    completions: list[CompletionOutput] = []
+    aborts: list[str] = []
+    for i in range(stop_end):
+        result = processor.process_outputs([engine.output("a", text_tokens[i:i + 1])])
+        for output in result.request_outputs:
+            assert_aligned(output.outputs[0])  # when produced (CUMULATIVE token_ids is live)
+            completions.append(output.outputs[0])
+        aborts += result.reqs_to_abort
+    assert process(processor, engine.output("a", text_tokens[stop_end:stop_end + 1])) == []
+
+    final = completions[-1]
+    assert (final.finish_reason, final.stop_reason) == ("stop", "STOP")
+    assert "STOP" not in final.text
+    assert aborts == ["a"] and "a" not in processor.request_states
+    if kind == CUMULATIVE:
+        assert list(final.token_ids) == text_tokens[:stop_end]
+        assert final.sampling_mask.token_ids == engine.sent_rows["a"][:stop_end]
+    else:
+        deltas = [r for c in completions for r in c.sampling_mask.token_ids]
+        assert deltas == engine.sent_rows["a"][:stop_end]
+
+
+def test_delta_with_stream_interval_batches_rows_with_tokens(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """DELTA with ``stream_interval=3``: outputs come at the first token, every 3 tokens and at
+    the finish; each carries exactly the rows of the tokens it batches."""
+    processor, engine = make_processor(tokenizer, stream_interval=3), FakeEngineCore()
+    add(processor, "a", DELTA)
+    deltas: list[CompletionOutput] = []
+    for i in range(8):
+        finish = FinishReason.LENGTH if i == 7 else None
+        deltas += [o.outputs[0] for o in process(
+            processor, engine.output("a", text_tokens[i:i + 1], finish)
+        )]
+
+    assert [len(d.token_ids) for d in deltas] == [1, 3, 3, 1]
+    start = 0
+    for delta in deltas:
+        n = len(delta.token_ids)
+        assert list(delta.token_ids) == text_tokens[start:start + n]
+        assert delta.sampling_mask.token_ids == engine.sent_rows["a"][start:start + n]
+        start += n
+
+
+def _all_completions(processor: OutputProcessor, engine: FakeEngineCore,
+                     text_tokens: list[int]) -> list[CompletionOutput]:
+    """One request per output kind (plus a stop string), fed the same steps."""
+    for request_id, kind in [("c", CUMULATIVE), ("d", DELTA), ("f", FINAL_ONLY)]:
+        add(processor, request_id, kind)
+    add(processor, "s", CUMULATIVE, stop=["STOP"])
+    completions = []
+    for i in range(10):
+        finish = FinishReason.LENGTH if i == 9 else None
+        outputs = process(processor, *(engine.output(r, text_tokens[i:i + 1], finish)
+                                       for r in "cdfs"))
+        completions += [c for o in outputs for c in o.outputs]
+    return completions
+
+
+@pytest.mark.parametrize("engine_sends_masks", [False, True])
+def test_switch_off_no_completion_has_a_mask(
+    tokenizer: TokenizerLike, text_tokens: list[int], engine_sends_masks: bool
+) -> None:
+    """Switch off: ``sampling_mask`` is None in every output kind (even if outputs carry rows),
+    and every other field equals what the switch-on processor returns."""
+    off = _all_completions(make_processor(tokenizer, enabled=False),
+                           FakeEngineCore(with_masks=engine_sends_masks), text_tokens)
+    on = _all_completions(make_processor(tokenizer), FakeEngineCore(), text_tokens)
+
+    assert len(off) == len(on) > 10
+    assert all(c.sampling_mask is None for c in off)
+    assert all(c.sampling_mask is not None for c in on)
+    for c_off, c_on in zip(off, on):
+        assert (c_off.index, c_off.text, list(c_off.token_ids), c_off.finish_reason,
+                c_off.stop_reason) == (c_on.index, c_on.text, list(c_on.token_ids),
+                                       c_on.finish_reason, c_on.stop_reason)
+
+
+def test_switch_on_tokens_without_rows_raise(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """Switch on but an output arrives without rows (a lost mask): a RuntimeError naming the
+    request instead of a misaligned mask."""
+    processor = make_processor(tokenizer)
+    add(processor, "a", CUMULATIVE)
+    with pytest.raises(RuntimeError, match=r"sampling mask of request a has 0 rows for 1 tokens"):
+        process(processor, FakeEngineCore(with_masks=False).output("a", text_tokens[:1]))
