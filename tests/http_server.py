@@ -95,6 +95,7 @@ def running_server(model: str, env: dict[str, str], extra_args: tuple[str, ...] 
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+        log_path.unlink(missing_ok=True)  # a failed start put its tail in the exception
 
 
 def sse_events(response: httpx.Response) -> Iterator[dict[str, Any] | str]:

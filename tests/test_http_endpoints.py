@@ -3,8 +3,9 @@ under the Triton interpreter; GPU: the real thing).
 
 Covers ``/inference/v1/generate`` (TITO), ``/v1/completions`` and ``/v1/chat/completions``,
 streaming and not, JSON and compact; that requests which don't ask get vLLM's bytes; that bad
-requests get HTTP 400 and the server keeps serving; and that 50 streams dropped mid-way leave no
-per-request mask state (the ``vllm_sampling_mask:held_*`` gauges on ``/metrics``).
+requests get HTTP 400 and the server keeps serving; and that 50 streams dropped mid-way (and
+non-streaming clients that time out) leave no per-request mask state (the
+``vllm_sampling_mask:held_*`` gauges on ``/metrics``).
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def _response_model(path: str, streaming: bool) -> Any:
 def test_openai_without_the_field_is_vllms_response(client, path, make_body, _) -> None:
     response = client.post(path, json=make_body())
     assert response.status_code == 200, response.text
-    assert b"sampling_mask" not in response.content
+    assert b'"sampling_mask"' not in response.content
     # Byte for byte what vLLM's own response model serialises for these values (JSONResponse).
     model = _response_model(path, streaming=False).model_validate_json(response.content)
     expected = json.dumps(model.model_dump(), ensure_ascii=False, allow_nan=False,
@@ -189,7 +190,7 @@ def test_openai_without_the_field_is_vllms_response(client, path, make_body, _) 
         chunks = sse_raw(streamed)
     stream_model = _response_model(path, streaming=True)
     for raw in chunks:
-        assert "sampling_mask" not in raw
+        assert '"sampling_mask"' not in raw
         chunk = stream_model.model_validate_json(raw)
         assert raw in (chunk.model_dump_json(exclude_unset=True),
                        chunk.model_dump_json(exclude_unset=True, exclude_none=True)), raw
@@ -250,7 +251,7 @@ def _bad_body(path: str, params: dict[str, Any], fields: dict[str, Any]) -> dict
         body["sampling_params"] = {k: v for k, v in body["sampling_params"].items() if v is not None}
         return body
     make = completion_body if path == "/v1/completions" else chat_body
-    body = make(return_sampling_mask=True, **params)
+    body = make(return_sampling_mask=True, n=1, **params)
     body.update(fields)
     return {k: v for k, v in body.items() if v is not None}
 
@@ -273,20 +274,27 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(client, vocab_size, p
 # ------------------------------------------------------------------ dropped streams
 
 
-async def _drop_after(client: httpx.AsyncClient, path: str, body: dict[str, Any], chunks: int) -> int:
-    seen = 0
+async def _drop_after(client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                      chunks: int) -> tuple[int, bool]:
+    """Read ``chunks`` events, then drop the connection; returns (events read, finished first)."""
+    seen, finished = 0, False
     async with client.stream("POST", path, json={**body, "stream": True}) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: "):
                 seen += 1
+                finished = finished or '"finish_reason":"' in line or line == "data: [DONE]"
                 if seen >= chunks:
                     break  # leaving the block closes the connection mid-stream
-    return seen
+    return seen, finished
+
+
+# Long enough that no stream ends before it is dropped (dropped streams cost only a few steps).
+DROP_MAX_TOKENS = 128
 
 
 def _drop_bodies(n: int) -> list[tuple[str, dict[str, Any]]]:
-    long = {"max_tokens": 16}
+    long = {"max_tokens": DROP_MAX_TOKENS, "ignore_eos": True}
     kinds = [
         ("/inference/v1/generate", {"token_ids": PROMPT_IDS, "sampling_params": {**SAMPLING, **long}}),
         ("/v1/completions", {"prompt": "Hello", **SAMPLING, **long, "return_sampling_mask": True}),
@@ -304,26 +312,33 @@ def _held(server: Server) -> tuple[float, float, float]:
 
 def test_the_gauges_see_an_open_stream(server) -> None:
     with server.client() as c, c.stream("POST", "/v1/completions", json={
-            "prompt": "Hello", **SAMPLING, "max_tokens": 16, "return_sampling_mask": True,
-            "stream": True}) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                break
+            "prompt": "Hello", **SAMPLING, "max_tokens": DROP_MAX_TOKENS, "ignore_eos": True,
+            "return_sampling_mask": True, "stream": True}) as response:
+        lines = response.iter_lines()  # kept referenced: closing it would close the stream
+        while not next(lines).startswith("data: "):
+            pass
         held_requests, held_rows, _ = _held(server)
     assert held_requests >= 1 and held_rows >= 1
 
 
-def test_dropped_streams_leave_no_mask_state(server, client, vocab_size) -> None:
+def test_dropped_clients_leave_no_mask_state(server, client, vocab_size) -> None:
     async def drop_all() -> list[int]:
         limits = asyncio.Semaphore(10)
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as aclient:
-            async def one(path: str, body: dict[str, Any], k: int) -> int:
+            async def one(path: str, body: dict[str, Any], k: int) -> tuple[int, bool]:
                 async with limits:
                     return await _drop_after(aclient, path, body, chunks=2 + k % 3)
             return await asyncio.gather(*(one(p, b, k) for k, (p, b) in enumerate(_drop_bodies(50))))
 
-    seen = asyncio.run(drop_all())
-    assert len(seen) == 50 and min(seen) >= 2
+    results = asyncio.run(drop_all())
+    assert len(results) == 50
+    assert all(seen >= 2 and not finished for seen, finished in results), results
+
+    # Non-streaming clients that give up (time out) before the response: also aborted and freed.
+    with httpx.Client(base_url=server.url, timeout=1.0) as impatient:
+        for path, body in _drop_bodies(6):
+            with pytest.raises(httpx.TimeoutException):
+                impatient.post(path, json=body)
 
     deadline = time.monotonic() + 120  # aborts reach the engine asynchronously
     while True:

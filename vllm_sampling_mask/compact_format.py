@@ -101,6 +101,8 @@ def decode_compact_arrays(encoded: dict[str, Any]) -> tuple[np.ndarray, np.ndarr
         ids = _int32_array(payload, "token_ids")
     else:
         ids = _undo_row_deltas(lengths, _varint_values(payload), total)
+        if ids.size and ids.max() > np.iinfo(np.int32).max:
+            raise ValueError("compact sampling mask token_ids holds an id above 2**31 - 1.")
     if total != ids.size:
         raise ValueError(
             f"compact sampling mask is inconsistent: row_lengths sum to {total} "

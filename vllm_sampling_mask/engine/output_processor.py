@@ -12,10 +12,38 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from vllm_sampling_mask.engine.transport import SamplingMaskRows, decode_rows
 from vllm_sampling_mask.outputs import SamplingMask
 
 _ROWS_ATTR = "sampling_mask_rows"
 _ENABLED_ATTR = "sampling_mask_enabled"
+
+
+class RequestMaskRows:
+    """One request's rows: decoded rows plus step chunks not decoded yet.
+
+    Chunks are decoded only when an output is built (every step when streaming, once at the end
+    for ``LLM`` / non-streaming requests), so the per-step frontend work is an append.
+    """
+
+    __slots__ = ("rows", "_pending")
+
+    def __init__(self) -> None:
+        self.rows: list[list[int]] = []
+        self._pending: list[SamplingMaskRows] = []
+
+    def append(self, chunk: SamplingMaskRows) -> None:
+        self._pending.append(chunk)
+
+    def __len__(self) -> int:
+        return len(self.rows) + sum(len(chunk.row_lengths) for chunk in self._pending)
+
+    def materialized(self) -> list[list[int]]:
+        """All rows so far (the same list object every call: it only grows)."""
+        if self._pending:
+            self.rows.extend(decode_rows(self._pending))
+            self._pending.clear()
+        return self.rows
 
 
 def wrap_add_request(original: Any) -> Any:
@@ -27,7 +55,7 @@ def wrap_add_request(original: Any) -> Any:
         if self.__dict__.get(_ENABLED_ATTR):
             state = self.request_states.get(request.request_id)
             if state is not None:
-                state.__dict__.setdefault(_ROWS_ATTR, [])
+                state.__dict__.setdefault(_ROWS_ATTR, RequestMaskRows())
 
     return add_request
 
@@ -45,7 +73,7 @@ def wrap_process_outputs(original: Any) -> Any:
                     continue
                 state = states.get(output.request_id)
                 if state is not None:
-                    state.__dict__.setdefault(_ROWS_ATTR, []).extend(rows.to_lists())
+                    state.__dict__.setdefault(_ROWS_ATTR, RequestMaskRows()).append(rows)
         return original(self, engine_core_outputs, *args, **kwargs)
 
     return process_outputs
@@ -57,8 +85,9 @@ def wrap_new_completion_output(original: Any) -> Any:
     @functools.wraps(original)
     def _new_completion_output(self: Any, *args: Any, **kwargs: Any) -> Any:
         completion = original(self, *args, **kwargs)
-        rows = self.__dict__.get(_ROWS_ATTR)
-        if rows is not None:
+        holder: RequestMaskRows | None = self.__dict__.get(_ROWS_ATTR)
+        if holder is not None:
+            rows = holder.materialized()
             start = len(rows) - len(completion.token_ids)
             if start < 0:
                 raise RuntimeError(

@@ -37,17 +37,27 @@ class SamplingMaskRows(msgspec.Struct, array_like=True, gc=False):  # type: igno
 
     @classmethod
     def from_step(cls, step: StepSamplingMasks, row_index: int) -> SamplingMaskRows:
-        row = step.row(row_index)
-        return cls([int(row.size)], row.astype("<i4", copy=False).tobytes())
+        length, blob = step.row_bytes(row_index)
+        return cls([length], blob)
 
     def to_lists(self) -> list[list[int]]:
         """The rows as ``list[list[int]]`` (one per token)."""
-        if not self.row_lengths:
-            return []
-        ids = np.frombuffer(self.token_ids, dtype="<i4")
-        if len(self.row_lengths) == 1:
-            return [ids.tolist()]
-        return [r.tolist() for r in np.split(ids, np.cumsum(self.row_lengths)[:-1])]
+        return decode_rows([self])
+
+
+def decode_rows(chunks: list[SamplingMaskRows]) -> list[list[int]]:
+    """All rows of several chunks, in order, decoded in one pass (one ``tolist`` in all)."""
+    if len(chunks) == 1 and len(chunks[0].row_lengths) == 1:  # one token of one step: streaming
+        return [np.frombuffer(chunks[0].token_ids, dtype="<i4").tolist()]
+    lengths = [n for chunk in chunks for n in chunk.row_lengths]
+    if not lengths:
+        return []
+    flat = np.frombuffer(b"".join(chunk.token_ids for chunk in chunks), dtype="<i4").tolist()
+    rows, start = [], 0
+    for n in lengths:
+        rows.append(flat[start : start + n])
+        start += n
+    return rows
 
 
 class EngineCoreOutputWithMask(

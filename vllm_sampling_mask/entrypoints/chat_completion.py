@@ -20,6 +20,7 @@ from vllm_sampling_mask.entrypoints.serving import (
     bad_request,
     current_options,
     engine_masks_enabled,
+    error_before_stream,
     observe,
     request_options,
     rows_of,
@@ -49,7 +50,8 @@ def wrap_create_chat_completion(original: Any) -> Any:
         if not options.enabled:
             return await original(self, request, *args, **kwargs)
         with request_options(options):
-            return await original(self, request, *args, **kwargs)
+            result = await original(self, request, *args, **kwargs)
+        return await error_before_stream(self, result)
 
     return create_chat_completion
 

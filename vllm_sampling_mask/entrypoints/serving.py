@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
+from http import HTTPStatus
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -81,6 +83,53 @@ async def observe(source: AsyncIterator[Any], seen: Callable[[Any], None]) -> As
         aclose = getattr(source, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+async def error_before_stream(serving: Any, result: Any) -> Any:
+    """Turn an error that ends a stream before it sent anything into a real HTTP error.
+
+    vLLM starts a streamed response (HTTP 200) before the engine has seen the request, so a
+    request the engine rejects (e.g. temperature 0 on a mask server) becomes a 200 whose only
+    event is an error. For a stream of ours, wait for its first event (the first engine output
+    comes with it, so nothing is delayed): an error there becomes vLLM's ``ErrorResponse`` with
+    that status (400). ``result`` that is no stream is returned as is.
+    """
+    if not inspect.isasyncgen(result):
+        return result
+    try:
+        first = await result.__anext__()
+    except StopAsyncIteration:
+        return result
+    error = _stream_error(first)
+    if error is None:
+        return _prepend(first, result)
+    await result.aclose()
+    try:
+        status = HTTPStatus(int(error.get("code", 400)))
+    except ValueError:
+        status = HTTPStatus.BAD_REQUEST
+    return serving.create_error_response(
+        str(error.get("message", "")), err_type=str(error.get("type", "BadRequestError")),
+        status_code=status, param=error.get("param"))
+
+
+def _stream_error(event: Any) -> dict[str, Any] | None:
+    if not isinstance(event, str) or not event.startswith('data: {"error"'):
+        return None
+    try:
+        error = json.loads(event[len("data: "):]).get("error")
+    except ValueError:
+        return None
+    return error if isinstance(error, dict) else None
+
+
+async def _prepend(first: Any, rest: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 class LastItem:

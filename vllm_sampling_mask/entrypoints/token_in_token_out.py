@@ -31,6 +31,7 @@ from vllm_sampling_mask.entrypoints.serving import (
     bad_request,
     current_options,
     engine_masks_enabled,
+    error_before_stream,
     observe,
     request_options,
     rows_of,
@@ -93,7 +94,8 @@ def wrap_serve_tokens(original: Any) -> Any:
         if not options.enabled:
             return await original(self, request, raw_request, *args, **kwargs)
         with request_options(options):
-            return await original(self, request, raw_request, *args, **kwargs)
+            result = await original(self, request, raw_request, *args, **kwargs)
+        return await error_before_stream(self, result)
 
     return serve_tokens
 

@@ -22,6 +22,8 @@ class StepSamplingMasks:
     row_lengths: np.ndarray
     token_ids: np.ndarray
     offsets: np.ndarray
+    _blob: bytes | None = None
+    _offsets_list: list[int] | None = None
 
     @classmethod
     def from_lengths(cls, row_lengths: np.ndarray, token_ids: np.ndarray) -> StepSamplingMasks:
@@ -32,6 +34,15 @@ class StepSamplingMasks:
     def row(self, index: int) -> np.ndarray:
         """``[row_lengths[index]]`` int32 view of one row."""
         return self.token_ids[self.offsets[index] : self.offsets[index + 1]]
+
+    def row_bytes(self, index: int) -> tuple[int, bytes]:
+        """``(length, little-endian int32 bytes)`` of one row; the step is serialised once and
+        each request takes a slice (the engine core calls this for every request every step)."""
+        if self._blob is None:
+            self._blob = self.token_ids.astype("<i4", copy=False).tobytes()
+            self._offsets_list = self.offsets.tolist()
+        start, end = self._offsets_list[index], self._offsets_list[index + 1]
+        return end - start, self._blob[4 * start : 4 * end]
 
 
 @dataclass

@@ -1,0 +1,403 @@
+"""Offline ``LLM.generate`` output throughput with sampling masks off and on, one model.
+
+Engines are built one after the other in this process (each shut down and its GPU memory
+awaited before the next), in the order stock, off, on:
+
+- ``off``:   the plugin installed, the engine switch off (vLLM's own sampler; FlashInfer where
+  ``VLLM_USE_FLASHINFER_SAMPLER`` and an installed ``flashinfer`` allow it, else vLLM's Triton
+  top-k/top-p + Gumbel sampler), default ``logprobs_mode``;
+- ``on``:    ``LLM(..., return_sampling_mask=True, logprobs_mode="processed_logprobs")``;
+- ``stock`` (only if asked): the plugin not loaded at all (``VLLM_PLUGINS`` without it), always
+  in a subprocess.
+
+Each engine runs every batch size B: B random prompts of ``--prompt-len`` token ids
+(``TokensPrompt``), ``temperature=1.0, top_k=50, top_p=0.95, max_tokens=--output-len,
+ignore_eos=True, logprobs=None``. A short generate per B warms up first; then ``--reps``
+rounds over all B, with fresh prompts each round (the same ones for every engine, so the prefix
+cache never helps). Throughput = output tokens / wall time of ``generate``; the median round is
+reported, and on/off per B::
+
+    python benchmarks/bench_engine_throughput.py --out bench_out/engine_throughput.json  # H200
+    python benchmarks/bench_engine_throughput.py --small                                 # CPU smoke
+
+``--isolate`` builds each engine in a subprocess instead (one vLLM import per engine); an
+engine that fails to start in-process after another one is retried that way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+CONFIG_ORDER = ("stock", "off", "on")
+DEFAULT_MODEL = "/root/models/qwen3-0.6b"
+SMALL_MODEL_DIR = Path(tempfile.gettempdir()) / "vllm_sampling_mask_bench" / "tiny_model"
+FULL = dict(batch_sizes=[1, 64, 256], output_len=256, prompt_len=128, reps=3, warmup_len=16)
+SMALL = dict(batch_sizes=[1, 4], output_len=8, prompt_len=16, reps=2, warmup_len=4)
+PLUGIN_PACKAGE = "vllm_sampling_mask"
+GPU_FREE_TIMEOUT_S = 30.0
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true",
+                        help="CPU smoke run: tiny model, batch 1 and 4, 8 tokens, fp32.")
+    parser.add_argument("--out", type=Path, help="Write the results as JSON here.")
+    parser.add_argument("--model", help=f"Default {DEFAULT_MODEL} (--small: a tiny local model).")
+    parser.add_argument("--configs", default="off,on",
+                        help="Comma list of stock, off, on (default off,on).")
+    parser.add_argument("--batch-sizes", type=int_list, help=f"Default {FULL['batch_sizes']}.")
+    parser.add_argument("--output-len", type=int, help=f"Default {FULL['output_len']}.")
+    parser.add_argument("--prompt-len", type=int, help=f"Default {FULL['prompt_len']}.")
+    parser.add_argument("--reps", type=int, help=f"Timed rounds (default {FULL['reps']}).")
+    parser.add_argument("--warmup-len", type=int, help="max_tokens of the warm-up generates.")
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="Eager (default, fast start); --no-enforce-eager: torch.compile + "
+                        "CUDA graphs.")
+    parser.add_argument("--dtype", help="Model dtype (default auto; --small: float32).")
+    parser.add_argument("--gpu-memory-utilization", type=float)
+    parser.add_argument("--isolate", action="store_true", help="One subprocess per engine.")
+    parser.add_argument("--worker-config", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    defaults = SMALL if args.small else FULL
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.dtype is None:
+        args.dtype = "float32" if args.small else "auto"  # vLLM's min-p kernel: no bf16 on CPU
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIG_ORDER))
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}, choose from {list(CONFIG_ORDER)}")
+    args.config_list = [c for c in CONFIG_ORDER if c in configs]
+    return args
+
+
+def setup_environment(small: bool) -> None:
+    """Before vLLM is imported: the CPU test platform for ``--small`` (Triton interpreter)."""
+    if not small:
+        return
+    try:
+        from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+        from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
+    os.environ.update(cpu_test_env())
+
+
+def plugins_without_ours() -> str:
+    """``VLLM_PLUGINS`` value that loads every installed vLLM plugin except this package's."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for group in ("vllm.platform_plugins", "vllm.general_plugins")
+             for ep in entry_points(group=group) if not ep.value.startswith(PLUGIN_PACKAGE + ".")}
+    return ",".join(sorted(names))
+
+
+def sampler_info(cuda: bool) -> dict[str, Any]:
+    """Which top-k/top-p sampler the ``off`` / ``stock`` engines use (as vLLM decides: FlashInfer
+    needs CUDA, ``VLLM_USE_FLASHINFER_SAMPLER`` not 0 and an importable ``flashinfer``)."""
+    env = os.environ.get("VLLM_USE_FLASHINFER_SAMPLER")
+    try:
+        import flashinfer  # noqa: F401
+
+        flashinfer_imports, error = True, None
+    except Exception as exc:  # ImportError, or a broken install
+        flashinfer_imports, error = False, f"{type(exc).__name__}: {exc}"[:200]
+    env_allows = env is None or env.strip().lower() not in ("0", "false")
+    if not cuda:
+        off = "not CUDA: vLLM's PyTorch top-k/top-p (CPU smoke run)"
+    elif env_allows and flashinfer_imports:
+        off = "flashinfer"
+    else:
+        off = "triton (vLLM apply_top_k_top_p + gumbel_sample)"
+    return {"VLLM_USE_FLASHINFER_SAMPLER": env, "flashinfer_imports": flashinfer_imports,
+            "flashinfer_import_error": error, "off_sampler": off,
+            "on_sampler": off if not cuda else
+            "triton (the plugin disables FlashInfer when masks are on)"}
+
+
+def small_model() -> str:
+    from vllm_sampling_mask.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(SMALL_MODEL_DIR))
+
+
+def make_prompts(batch: int, round_index: int, prompt_len: int, vocab: int) -> list[Any]:
+    """``batch`` random ``TokensPrompt``s, a function of (batch, round) only."""
+    import numpy as np
+    from vllm.inputs import TokensPrompt
+
+    rng = np.random.default_rng([batch, round_index + 1])
+    ids = rng.integers(10, vocab, size=(batch, prompt_len))  # above the special tokens
+    return [TokensPrompt(prompt_token_ids=row.tolist()) for row in ids]
+
+
+def check_masks(outputs: list[Any], on: bool) -> dict[str, Any]:
+    """Masks present, aligned and containing the sampled token (on); absent (off)."""
+    rows = lengths = 0
+    problems = []
+    for output in outputs:
+        for c in output.outputs:
+            mask = getattr(c, "sampling_mask", None)
+            if not on:
+                if mask is not None:
+                    problems.append(f"{output.request_id}: a mask with the switch off")
+                continue
+            if mask is None or len(mask.token_ids) != len(c.token_ids):
+                num_rows = 0 if mask is None else len(mask.token_ids)
+                problems.append(f"{output.request_id}: {num_rows} rows for "
+                                f"{len(c.token_ids)} tokens")
+                continue
+            for token, row in zip(c.token_ids, mask.token_ids):
+                rows += 1
+                lengths += len(row)
+                if token not in row:
+                    problems.append(f"{output.request_id}: token {token} not in its row")
+                    break
+    return {"rows": rows, "mean_row_length": lengths / rows if rows else None,
+            "problems": problems[:5], "ok": not problems}
+
+
+def run_config(name: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """Build one engine, time every batch size, shut it down. Runs in this process."""
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = dict(
+        model=model, enforce_eager=args.enforce_eager, dtype=args.dtype, seed=0,
+        max_model_len=args.prompt_len + args.output_len + 16,
+        max_num_seqs=max(args.batch_sizes),
+    )
+    if args.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if name == "on":
+        kwargs.update(return_sampling_mask=True, logprobs_mode="processed_logprobs")
+    began = time.perf_counter()
+    llm = LLM(**kwargs)
+    start_s = time.perf_counter() - began
+    try:
+        vllm_config = llm.llm_engine.vllm_config
+        vocab = min(len(llm.get_tokenizer()), vllm_config.model_config.get_vocab_size())
+
+        def params(max_tokens: int) -> Any:
+            return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  max_tokens=max_tokens, ignore_eos=True, logprobs=None)
+
+        for b in args.batch_sizes:  # warm-up (round -1: prompts no timed round uses)
+            llm.generate(make_prompts(b, -1, args.prompt_len, vocab), params(args.warmup_len),
+                         use_tqdm=False)
+        rounds: dict[int, list[dict[str, float]]] = {b: [] for b in args.batch_sizes}
+        checks: dict[int, dict[str, Any]] = {}
+        for r in range(args.reps):
+            for b in args.batch_sizes:
+                prompts = make_prompts(b, r, args.prompt_len, vocab)
+                t0 = time.perf_counter()
+                outputs = llm.generate(prompts, params(args.output_len), use_tqdm=False)
+                seconds = time.perf_counter() - t0
+                tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+                rounds[b].append({"seconds": seconds, "output_tokens": tokens,
+                                  "tokens_per_s": tokens / seconds})
+                print(f"[{name}] B={b} round {r}: {tokens / seconds:,.0f} tok/s "
+                      f"({tokens} tokens, {seconds:.2f} s)", flush=True)
+                if r == args.reps - 1:
+                    checks[b] = check_masks(outputs, on=name == "on")
+        result = {
+            "engine_start_s": start_s,
+            "use_v2_model_runner": bool(vllm_config.use_v2_model_runner),
+            "logprobs_mode": str(vllm_config.model_config.logprobs_mode),
+            "additional_config": dict(vllm_config.additional_config or {}),
+            "by_batch": {str(b): {"median_tokens_per_s": statistics.median(
+                                      x["tokens_per_s"] for x in rounds[b]),
+                                  "rounds": rounds[b], "mask_check": checks[b]}
+                         for b in args.batch_sizes},
+        }
+    finally:
+        shutdown(llm)
+        del llm
+        gc.collect()
+    return result
+
+
+def shutdown(llm: Any) -> None:
+    """Stop the engine-core process now (instead of at garbage collection)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # best effort: GC shuts it down too
+        print(f"engine shutdown: {type(exc).__name__}: {exc}", flush=True)
+
+
+def free_gpu_memory() -> None:
+    """Release cached memory here and wait until the previous engine's process let go of its."""
+    try:
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    if shutil.which("nvidia-smi") is None:
+        time.sleep(5)
+        return
+    deadline = time.monotonic() + GPU_FREE_TIMEOUT_S
+    used = None
+    while time.monotonic() < deadline:
+        try:
+            query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+            out = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout
+            used = max(int(x) for x in out.split())  # MiB
+        except (OSError, ValueError, subprocess.SubprocessError):
+            time.sleep(5)
+            return
+        if used < 2048:
+            return
+        time.sleep(1)
+    print(f"warning: {used} MiB still used on the GPU after {GPU_FREE_TIMEOUT_S:.0f} s", flush=True)
+
+
+def run_isolated(name: str, argv: Sequence[str]) -> dict[str, Any]:
+    """``run_config`` in a fresh interpreter (``stock`` also hides this plugin from vLLM)."""
+    env = dict(os.environ)
+    if name == "stock":
+        env["VLLM_PLUGINS"] = plugins_without_ours()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv,
+               "--worker-config", name, "--worker-out", str(out)]
+        print(f"[{name}] subprocess: {' '.join(cmd)}", flush=True)
+        subprocess.run(cmd, env=env, check=True)
+        result = json.loads(out.read_text())
+    result["isolated"] = True
+    if name == "stock":
+        result["VLLM_PLUGINS"] = env["VLLM_PLUGINS"]
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> dict | None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    setup_environment(args.small)
+    model = args.model or (small_model() if args.small else DEFAULT_MODEL)
+
+    if args.worker_config:  # child of run_isolated
+        result = run_config(args.worker_config, args, model)
+        args.worker_out.write_text(json.dumps(result))
+        return None
+
+    results: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    for i, name in enumerate(args.config_list):
+        try:
+            if args.isolate or name == "stock":
+                results[name] = run_isolated(name, argv)
+            else:
+                try:
+                    results[name] = run_config(name, args, model)
+                    results[name]["isolated"] = False
+                except Exception as exc:
+                    # A later engine may find the GPU memory of the previous one not yet
+                    # released: retry that case once, in a fresh process.
+                    if i == 0 or "memory" not in str(exc).lower():
+                        raise
+                    print(f"[{name}] in-process engine failed ({type(exc).__name__}: {exc}); "
+                          "retrying in a subprocess", flush=True)
+                    free_gpu_memory()
+                    results[name] = run_isolated(name, argv)
+                    results[name]["in_process_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        except Exception as exc:  # keep the other engines' numbers
+            errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"[{name}] FAILED: {errors[name]}", flush=True)
+        free_gpu_memory()
+
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                   if k not in ("out", "worker_config", "worker_out")} | {"model": model},
+        "environment": environment(args.small),
+        "results": results,
+        "errors": errors,
+        "ratios": ratios(results, args.batch_sizes),
+    }
+    print("\n" + markdown(report))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"\nwritten to {args.out}")
+    if errors:
+        sys.exit(f"failed engines: {sorted(errors)}")
+    return report
+
+
+def environment(small: bool) -> dict[str, Any]:
+    import torch
+    import vllm
+
+    cuda = not small and torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else "cpu (Triton interpreter)"
+    return {"device": device, "vllm": vllm.__version__, "torch": torch.__version__,
+            "plugin_installed": importlib.util.find_spec(PLUGIN_PACKAGE) is not None,
+            "sampler": sampler_info(cuda)}
+
+
+def ratios(results: dict[str, dict], batch_sizes: list[int]) -> dict[str, dict[str, float]]:
+    def tps(name: str, b: int) -> float:
+        return results[name]["by_batch"][str(b)]["median_tokens_per_s"]
+
+    out: dict[str, dict[str, float]] = {}
+    for num, den in (("on", "off"), ("off", "stock"), ("on", "stock")):
+        if num in results and den in results:
+            out[f"{num}/{den}"] = {str(b): tps(num, b) / tps(den, b) for b in batch_sizes}
+    return out
+
+
+def markdown(report: dict) -> str:
+    c, results = report["config"], report["results"]
+    names = list(results)
+    env = report["environment"]
+    lines = [f"{c['model']} on {env['device']}, {'eager' if c['enforce_eager'] else 'compiled'}, "
+             f"prompt {c['prompt_len']} -> {c['output_len']} tokens, top_k {c['top_k']}, "
+             f"top_p {c['top_p']}, {c['reps']} rounds (median); off sampler: "
+             f"{env['sampler']['off_sampler']}", ""]
+    header = "| B | " + " | ".join(f"{n} tok/s" for n in names) + " | " + " | ".join(
+        report["ratios"]) + " |"
+    lines += [header, "|" + "---:|" * header.count(" | ") + "---:|"]
+    for b in c["batch_sizes"]:
+        cells = [f"{results[n]['by_batch'][str(b)]['median_tokens_per_s']:,.0f}" for n in names]
+        cells += [f"{r[str(b)]:.3f}" for r in report["ratios"].values()]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for n in names:
+        r = results[n]
+        ok = all(x["mask_check"]["ok"] for x in r["by_batch"].values())
+        lines.append(f"{n}: engine start {r['engine_start_s']:.0f} s, MRV2 "
+                     f"{r['use_v2_model_runner']}, logprobs_mode {r['logprobs_mode']}, "
+                     f"mask check {'ok' if ok else 'FAILED'}")
+    for n, error in report["errors"].items():
+        lines.append(f"{n}: FAILED: {error.splitlines()[0] if error else ''}")
+    runners = {results[n]["use_v2_model_runner"] for n in names}
+    if len(runners) > 1:
+        lines.append("WARNING: the engines used different model runners; the ratios compare "
+                     "more than the masks.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""Host CPU time per engine step of the mask pipeline, without an engine or a GPU.
+
+One decode step of ``--requests`` requests (one sampled token each) over a ``--vocab`` vocabulary
+with top_k ``--top-k``, through the same code the engine runs, each hop timed separately::
+
+    python benchmarks/bench_host_overhead.py --out bench_out/host_overhead.json   # 512 x 151936
+    python benchmarks/bench_host_overhead.py --small                              # smoke (seconds)
+
+- ``unpack``           worker: ``HostStepMasks.unpack``, the copied ``[R, 1 + W]`` counts + ids
+                       -> CSR rows; ``unpack_overflow``: the same with one row wider than W
+                       (read from the copied bitmap);
+- ``scheduler``        engine core: the ``Scheduler.update_from_output`` wrapper, i.e.
+                       ``SamplingMaskRows.from_step`` for every request's output;
+- ``encode``/``decode`` the ZMQ hop: vLLM's ``MsgpackEncoder`` / ``MsgpackDecoder`` of one
+                       ``EngineCoreOutputs`` of R outputs with masks and, ``*_stock``, without
+                       (vLLM's own types); ``*_extra`` is the difference;
+- ``frontend``         the ``OutputProcessor.process_outputs`` wrapper: ``to_lists`` and
+                       accumulation on each request's state;
+- ``attach``           the ``RequestState._new_completion_output`` wrapper for every request
+                       (every step for streamed DELTA outputs; once per request otherwise).
+
+The total adds both processes' work; the engine-core and frontend subtotals run in parallel.
+The wrappers are the plugin's own (``wrap_*``) around no-op originals, so vLLM's own work is
+not counted. Every row holds ``top_k`` ids (all rows full: the upper bound of the common path;
+top-p shortens rows). Times are medians over ``--reps`` of the thread's CPU time (wall time
+beside it), with the garbage collector enabled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+FULL_SIZE = dict(requests=512, vocab=151936, top_k=50, reps=200)
+SMALL_SIZE = dict(requests=16, vocab=4096, top_k=50, reps=20)
+TARGET_MS = 1.0  # per step, at 512 requests (issue 6)
+
+
+class Stub(SimpleNamespace):
+    """Stand-in for a vLLM object (scheduler, output processor, request state): the given
+    attributes, ``None`` for any other the wrappers read."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help=f"Small sizes {SMALL_SIZE}.")
+    parser.add_argument("--out", type=Path, help="Write the results as JSON here.")
+    parser.add_argument("--requests", type=int, help=f"R (default {FULL_SIZE['requests']}).")
+    parser.add_argument("--vocab", type=int, help=f"V (default {FULL_SIZE['vocab']}).")
+    parser.add_argument("--top-k", type=int, help=f"Ids per row (default {FULL_SIZE['top_k']}).")
+    parser.add_argument("--reps", type=int,
+                        help=f"Timed repetitions (default {FULL_SIZE['reps']}).")
+    parser.add_argument("--warmup", type=int, default=10)
+    args = parser.parse_args(argv)
+    defaults = SMALL_SIZE if args.small else FULL_SIZE
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def measure(run: Callable[[Any], Any], setup: Callable[[], Any], warmup: int,
+            reps: int) -> dict[str, float]:
+    """Median thread CPU time and wall time of ``run(setup())`` in ms (``setup`` not timed).
+
+    CPU time (``time.thread_time_ns``) is the headline: it is what the step costs the host and
+    it is not inflated when other processes preempt this one; wall time is kept beside it.
+    """
+    for _ in range(warmup):
+        run(setup())
+    gc.collect()
+    cpu, wall = [], []
+    for _ in range(reps):
+        state = setup()
+        wall0, cpu0 = time.perf_counter_ns(), time.thread_time_ns()
+        run(state)
+        cpu1, wall1 = time.thread_time_ns(), time.perf_counter_ns()
+        cpu.append((cpu1 - cpu0) / 1e6)
+        wall.append((wall1 - wall0) / 1e6)
+    cpu.sort()
+    return {"cpu_ms": statistics.median(cpu), "cpu_p90_ms": cpu[int(0.9 * (len(cpu) - 1))],
+            "wall_ms": statistics.median(wall), "reps": reps}
+
+
+def make_step(num_requests: int, vocab_size: int, top_k: int, wide_row: int | None):
+    """A ``HostStepMasks`` as the async copy leaves it: ``top_k`` sorted random ids per row.
+
+    Built by ``compact_support_reference`` from processed logits (-inf but ``top_k`` random
+    ids per row), so it follows the kernel's output layout. With ``wide_row`` set, row 0 keeps
+    ``wide_row`` (> top_k) ids: the width is ``top_k``, so that row is read from the bitmap
+    (copied with the ids, as when some request's top_k exceeds the width cap).
+    """
+    import numpy as np
+    import torch
+
+    from vllm_sampling_mask.worker.compaction import compact_support_reference
+    from vllm_sampling_mask.worker.step_masks import DeviceStepMasks
+
+    rng = np.random.default_rng(0)
+    logits = torch.full((num_requests, vocab_size), float("-inf"))  # [R, V]
+    for r in range(num_requests):
+        kept = wide_row if (r == 0 and wide_row is not None) else top_k
+        logits[r, torch.from_numpy(rng.choice(vocab_size, kept, replace=False))] = 1.0
+    support = compact_support_reference(logits, top_k)
+    del logits
+    # On CPU tensors the "copy" is the tensors themselves: what unpack reads after the event.
+    device_masks = DeviceStepMasks(support, overflow_expected=wide_row is not None)
+    return device_masks.copy_to_host_nonblocking()
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    import msgspec
+    import numpy as np
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vllm_sampling_mask.core.scheduler import wrap_update_from_output
+    from vllm_sampling_mask.engine.output_processor import (
+        RequestMaskRows,
+        wrap_new_completion_output,
+        wrap_process_outputs,
+    )
+    from vllm_sampling_mask.engine.transport import (
+        EngineCoreOutputsWithMasks,
+        EngineCoreOutputWithMask,
+        SamplingMaskRows,
+    )
+
+    R, V, K = args.requests, args.vocab, args.top_k
+    host = make_step(R, V, K, wide_row=None)
+    host_wide = make_step(R, V, K, wide_row=min(V, 4 * K))
+    num_sampled = np.ones(R, dtype=np.int32)
+    step = host.unpack(num_sampled)
+    assert int(step.row_lengths.sum()) == R * K
+    rng = np.random.default_rng(1)
+    tokens = [int(step.row(i)[rng.integers(K)]) for i in range(R)]
+    request_ids = [f"cmpl-{i:032x}-0" for i in range(R)]  # vLLM-like ids
+    index = {rid: i for i, rid in enumerate(request_ids)}
+    results: dict[str, dict[str, float]] = {}
+
+    def timed(name: str, run: Callable[[Any], Any],
+              setup: Callable[[], Any] = lambda: None) -> None:
+        results[name] = measure(run, setup, args.warmup, args.reps)
+
+    # (a) worker
+    timed("unpack", lambda _: host.unpack(num_sampled))
+    timed("unpack_overflow", lambda _: host_wide.unpack(num_sampled))
+
+    # (b) engine core: the plugin's update_from_output wrapper around a scheduler that returned
+    # one EngineCoreOutput per request (fresh objects each rep, as the scheduler makes them).
+    def scheduler_outputs() -> dict[int, Any]:
+        return {0: EngineCoreOutputs(outputs=[EngineCoreOutputWithMask(rid, [tok])
+                                              for rid, tok in zip(request_ids, tokens)])}
+
+    update = wrap_update_from_output(lambda self, sched_out, runner_out: self.pending)
+    runner_output = SimpleNamespace(sampling_masks=step, req_id_to_index=index)
+
+    def scheduler_setup() -> Any:
+        return Stub(sampling_mask_enabled=True, pending=scheduler_outputs())
+
+    timed("scheduler", lambda sched: update(sched, None, runner_output), scheduler_setup)
+    with_masks = update(scheduler_setup(), None, runner_output)[0]
+    without_masks = EngineCoreOutputs(outputs=[EngineCoreOutput(rid, [tok])
+                                               for rid, tok in zip(request_ids, tokens)])
+
+    # (d) the ZMQ hop's serialisation, with and without masks
+    encoder = MsgpackEncoder()
+    decoder_masks = MsgpackDecoder(EngineCoreOutputsWithMasks)
+    decoder_stock = MsgpackDecoder(EngineCoreOutputs)
+    frames_masks = encoder.encode(with_masks)
+    frames_stock = encoder.encode(without_masks)
+    timed("encode_with_masks", lambda _: encoder.encode(with_masks))
+    timed("encode_stock", lambda _: encoder.encode(without_masks))
+    timed("decode_with_masks", lambda _: decoder_masks.decode(frames_masks))
+    timed("decode_stock", lambda _: decoder_stock.decode(frames_stock))
+    decoded = decoder_masks.decode(frames_masks)
+    assert decoded.outputs[0].sampling_mask == with_masks.outputs[0].sampling_mask
+    wire_bytes = {"with_masks": sum(len(f) for f in frames_masks),
+                  "stock": sum(len(f) for f in frames_stock)}
+
+    # (c) frontend: the plugin's process_outputs wrapper (to_lists + per-request accumulation)
+    process = wrap_process_outputs(lambda self, outputs, *a, **k: None)
+
+    def frontend_setup() -> Any:
+        states = {rid: Stub(request_id=rid) for rid in request_ids}
+        return Stub(sampling_mask_enabled=True, request_states=states)
+
+    timed("frontend", lambda proc: process(proc, decoded.outputs), frontend_setup)
+    processor = frontend_setup()
+    process(processor, decoded.outputs)
+    first_rows = processor.request_states[request_ids[0]].sampling_mask_rows.materialized()
+    assert first_rows == [step.row(0).tolist()], "frontend rows differ from the worker's"
+
+    # (e) attach: _new_completion_output for every request (DELTA: the new token's row)
+    # The no-op original returns a completion made in setup (vLLM's own cost is not ours).
+    new_completion = wrap_new_completion_output(lambda self, *a, **k: self.completion)
+
+    def attach_setup() -> list[Any]:
+        # A request 16 tokens into its output: DELTA completions carry the newest token only,
+        # whose row arrived this step (still undecoded).
+        states = []
+        for i, (rid, tok) in enumerate(zip(request_ids, tokens)):
+            held = RequestMaskRows()
+            held.rows.extend([step.row(i).tolist()] * 15)
+            held.append(SamplingMaskRows.from_step(step, i))
+            states.append(Stub(request_id=rid, completion=SimpleNamespace(token_ids=[tok]),
+                               detokenizer=SimpleNamespace(token_ids=[tok] * 16),
+                               sampling_mask_rows=held))
+        return states
+
+    timed("attach", lambda states: [new_completion(s) for s in states], attach_setup)
+
+    ms = {name: r["cpu_ms"] for name, r in results.items()}
+    per_step = {
+        "unpack": ms["unpack"],
+        "scheduler": ms["scheduler"],
+        "encode_extra": ms["encode_with_masks"] - ms["encode_stock"],
+        "decode_extra": ms["decode_with_masks"] - ms["decode_stock"],
+        "frontend": ms["frontend"],
+        "attach": ms["attach"],
+    }
+    total = sum(per_step.values())
+    # With one GPU the worker runs inside the engine-core process; the frontend is another
+    # process, so the two subtotals overlap in time (async scheduling overlaps both with the GPU).
+    per_process = {
+        "engine_core": per_step["unpack"] + per_step["scheduler"] + per_step["encode_extra"],
+        "frontend": per_step["decode_extra"] + per_step["frontend"] + per_step["attach"],
+    }
+    report = {
+        "config": {"requests": R, "vocab": V, "top_k": K, "reps": args.reps,
+                   "warmup": args.warmup, "rows": "all full (top_k ids each)",
+                   "unpack_overflow_wide_row": min(V, 4 * K)},
+        "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "numpy": np.__version__, "msgspec": msgspec.__version__},
+        "results": results,
+        "wire_bytes": wire_bytes,
+        "per_step_ms": per_step,
+        "per_process_ms": per_process,
+        "total_ms": total,
+        "target_ms": TARGET_MS,
+        "target_met": total <= TARGET_MS if R >= FULL_SIZE["requests"] else None,
+    }
+    print(table(report))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"\nwritten to {args.out}")
+    return report
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def table(report: dict) -> str:
+    c, r = report["config"], report["results"]
+    lines = [f"R={c['requests']} requests, V={c['vocab']}, top_k={c['top_k']} "
+             f"({report['machine']['cpu']}, {report['machine']['cpus']} CPUs)", "",
+             "| hop | CPU ms | CPU p90 ms | wall ms | CPU us / request |",
+             "|---|---:|---:|---:|---:|"]
+    for name, t in r.items():
+        lines.append(f"| {name} | {t['cpu_ms']:.3f} | {t['cpu_p90_ms']:.3f} | {t['wall_ms']:.3f} | "
+                     f"{1e3 * t['cpu_ms'] / c['requests']:.2f} |")
+    w = report["wire_bytes"]
+    lines += ["", f"wire bytes per step: {w['with_masks']:,} with masks, {w['stock']:,} stock", "",
+              "| per step (median thread CPU time) | ms |", "|---|---:|"]
+    lines += [f"| {name} | {value:.3f} |" for name, value in report["per_step_ms"].items()]
+    lines += [f"| subtotal {name} process | {value:.3f} |"
+              for name, value in report["per_process_ms"].items()]
+    met = report["target_met"]
+    verdict = "n/a (fewer requests than the target's 512)" if met is None else (
+        "met" if met else "MISSED")
+    lines.append(f"| **total** | **{report['total_ms']:.3f}** (target <= {report['target_ms']} ms "
+                 f"at 512 requests: {verdict}) |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
