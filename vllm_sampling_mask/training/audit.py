@@ -230,6 +230,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="Rescoring device (default: cuda if available, else cpu).")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="Engine batch limit (small values make CPU runs start faster).")
     parser.add_argument("--ratio-band", type=float, default=DEFAULT_RATIO_BAND,
                         help="Report the share of ratios outside [1 - band, 1 + band].")
     parser.add_argument("--max-ratio-error", type=float, default=None,
@@ -268,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
+        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
         generation_config="vllm",  # no sampling defaults from the model's generation_config
     )
     rollouts = {name: rollouts_from_request_outputs(llm.generate(prompts, params))

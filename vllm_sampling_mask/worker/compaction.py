@@ -18,8 +18,8 @@ the vocabulary over the whole GPU instead of walking it serially:
 1. ``_count_and_pack_kernel`` reads each ``BLOCK`` of logits once, writes its kept count and
    its bitmap words;
 2. ``_scatter_ids_kernel`` sums the counts of the blocks before it (its output offset), and if
-   that offset is still below ``W``, expands its bitmap words (1/32 of the logits bytes) and
-   writes its ids. Block 0 also writes the row total.
+   its block kept anything and that offset is still below ``W``, expands its bitmap words (1/32
+   of the logits bytes) and writes its ids. Block 0 also writes the row total.
 """
 
 from __future__ import annotations
@@ -107,10 +107,12 @@ def _scatter_ids_kernel(
         block_counts_ptr + row * scratch_stride + block_ids, mask=block_ids < num_blocks, other=0
     )
     offset = tl.sum(tl.where(block_ids < block, row_counts, 0), axis=0)
+    own_count = tl.sum(tl.where(block_ids == block, row_counts, 0), axis=0)
     out_row = packed_ptr + row * (width + 1)
     if block == 0:
         tl.store(out_row, tl.sum(row_counts, axis=0))
-    if offset < width:
+    # Sparse rows (top-k of a large vocabulary) leave most blocks empty: skip their scan.
+    if (offset < width) & (own_count > 0):
         WORDS: tl.constexpr = BLOCK // 32
         word_offs = block * WORDS + tl.arange(0, WORDS)
         words = tl.load(bits_ptr + row * scratch_stride + word_offs, mask=word_offs < num_words,
