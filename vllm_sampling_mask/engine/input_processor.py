@@ -17,16 +17,21 @@ _SWITCH = "the engine returns sampling masks (--return-sampling-mask)"
 
 
 def check_sampling_params(params: Any) -> None:
-    """Raise ``ValueError`` naming the parameter if ``params`` can't carry a mask."""
+    """Raise ``VLLMValidationError`` (a ``ValueError``; HTTP 400 with ``param`` set) naming the
+    parameter if ``params`` can't carry a mask."""
+    from vllm.exceptions import VLLMValidationError
+
     if params.temperature <= 0:
-        raise ValueError(
+        raise VLLMValidationError(
             f"temperature must be > 0 when {_SWITCH}, got {params.temperature}: greedy decoding "
-            "has no sampling distribution to replay. Use temperature > 0 (e.g. 1.0)."
+            "has no sampling distribution to replay. Use temperature > 0 (e.g. 1.0).",
+            parameter="temperature", value=params.temperature,
         )
     if params.top_k is None or params.top_k <= 0:
-        raise ValueError(
+        raise VLLMValidationError(
             f"top_k must be > 0 when {_SWITCH}, got {params.top_k}: it bounds the size of every "
-            "mask row. Set top_k (e.g. 50; up to the vocabulary size)."
+            "mask row. Set top_k (e.g. 50; up to the vocabulary size).",
+            parameter="top_k", value=params.top_k,
         )
 
 
