@@ -203,7 +203,7 @@ def _run(coro):
 
 
 def test_wrappers_pass_requests_that_do_not_ask_straight_to_vllm() -> None:
-    from vllm_sampling_mask.entrypoints import chat_completion, completion, token_in_token_out
+    from vllm_sampling_mask.entrypoints import chat_completion, completion, sse, token_in_token_out
 
     sentinel = object()
     request = SimpleNamespace(model_extra={}, stream=False, include_reasoning=True, n=None)
@@ -220,8 +220,7 @@ def test_wrappers_pass_requests_that_do_not_ask_straight_to_vllm() -> None:
         # No options in scope (a request that did not ask): vLLM's builders, results untouched.
         assert completion.wrap_request_output_to_completion_response(build)(serving, [], request) is sentinel
         assert completion.wrap_completion_stream_generator(build)(serving, request) is sentinel
-        assert chat_completion.wrap_chat_completion_stream_generator(build)(serving, request) is sentinel
-        assert token_in_token_out.wrap_serve_tokens_stream_generator(build)(serving, request) is sentinel
+        assert sse.wrap_request_output_stream(build)(serving, request) is sentinel
     # TITO on a server without the switch: nothing to read from the body either.
     tito = token_in_token_out.wrap_serve_tokens(create)
     assert _run(tito(FakeServing(False), request, None)) is sentinel

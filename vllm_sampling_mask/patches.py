@@ -194,7 +194,7 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.entrypoints.scale_out.token_in_token_out.serving:"
         "ServingTokens.serve_tokens_stream_generator",
-        make=f"{_P}.entrypoints.token_in_token_out:wrap_serve_tokens_stream_generator",
+        make=f"{_P}.entrypoints.sse:wrap_request_output_stream",
         why="Every streamed chunk carries the rows of its tokens (engine outputs observed on "
         "the way in, SSE chunks rewritten on the way out).",
         process="frontend",
@@ -236,7 +236,7 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.entrypoints.openai.chat_completion.serving:"
         "OpenAIServingChat.chat_completion_stream_generator",
-        make=f"{_P}.entrypoints.chat_completion:wrap_chat_completion_stream_generator",
+        make=f"{_P}.entrypoints.sse:wrap_request_output_stream",
         why="Streaming /v1/chat/completions: every chunk carries the rows of its tokens "
         "(tokens a parser holds back ride in the choice's next chunk).",
         process="frontend",

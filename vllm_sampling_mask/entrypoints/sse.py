@@ -16,9 +16,11 @@ other (the chat role and echo chunks, usage chunks, errors): ``exclude_unset`` o
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
 
 from vllm_sampling_mask.entrypoints.mask_fields import MaskOptions
 
@@ -89,3 +91,27 @@ class StreamMasks:
             if finished and self.pending_rows:
                 logger.warning("sampling mask: %d rows of a finished stream were never sent.",
                                self.pending_rows)
+
+
+def wrap_request_output_stream(original: Any) -> Any:
+    """A serving method streaming from ``result_generator`` (``RequestOutput``s, one chunk per
+    engine output): every chunk it yields carries the rows of the tokens it carries. Used for
+    the TITO and the chat-completion stream generators."""
+    from vllm_sampling_mask.entrypoints.serving import Arguments, current_options, observe, rows_of
+
+    @functools.wraps(original)
+    def stream_generator(self: Any, *args: Any, **kwargs: Any) -> Any:
+        options = current_options()
+        if not options.enabled:
+            return original(self, *args, **kwargs)
+        call = Arguments(original, (self, *args), kwargs)
+        masks = StreamMasks(options)
+
+        def seen(result: Any) -> None:
+            for output in result.outputs:
+                masks.add(output.index, output.token_ids, rows_of(output))
+
+        call["result_generator"] = observe(call["result_generator"], seen)
+        return masks.rewrite_stream(call.call(original))
+
+    return stream_generator

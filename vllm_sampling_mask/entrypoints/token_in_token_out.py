@@ -36,7 +36,6 @@ from vllm_sampling_mask.entrypoints.serving import (
     request_options,
     rows_of,
 )
-from vllm_sampling_mask.entrypoints.sse import StreamMasks
 
 
 class GenerateResponseChoiceWithMask(GenerateResponseChoice):
@@ -117,24 +116,3 @@ def wrap_serve_tokens_full_generator(original: Any) -> Any:
         return with_masks(response, {o.index: o for o in final.item.outputs}, options)
 
     return serve_tokens_full_generator
-
-
-def wrap_serve_tokens_stream_generator(original: Any) -> Any:
-    """Streaming response: every chunk carries the rows of the tokens it carries."""
-
-    @functools.wraps(original)
-    def serve_tokens_stream_generator(self: Any, *args: Any, **kwargs: Any) -> Any:
-        options = current_options()
-        if not options.enabled:
-            return original(self, *args, **kwargs)
-        call = Arguments(original, (self, *args), kwargs)
-        masks = StreamMasks(options)
-
-        def seen(result: Any) -> None:
-            for output in result.outputs:
-                masks.add(output.index, output.token_ids, rows_of(output))
-
-        call["result_generator"] = observe(call["result_generator"], seen)
-        return masks.rewrite_stream(call.call(original))
-
-    return serve_tokens_stream_generator
