@@ -109,10 +109,10 @@ def wrap_request_output_add(original: Any) -> Any:
 
     @functools.wraps(original)
     def add(self: Any, next_output: Any, aggregate: bool) -> None:
+        if not aggregate or all(c.sampling_mask is None for c in next_output.outputs):
+            return original(self, next_output, aggregate)
         before = {completion.index: completion for completion in self.outputs}
         original(self, next_output, aggregate)
-        if not aggregate:
-            return
         for completion in next_output.outputs:
             merged = before.get(completion.index)
             if merged is None or merged is completion or completion.sampling_mask is None:
