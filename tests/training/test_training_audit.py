@@ -130,7 +130,7 @@ def _fake_vllm(model, full_vocab_logprobs: bool) -> tuple[ModuleType, list]:
 
     class SamplingParams:
         def __init__(self, n=1, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=16,
-                     logprobs=None, seed=None):
+                     logprobs=None, seed=None, ignore_eos=False):
             self.__dict__.update(locals())
 
     class LLM:

@@ -230,6 +230,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="Rescoring device (default: cuda if available, else cpu).")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="Generate max_tokens per completion even past EOS (a fixed token "
+                        "count; every token is still sampled from the filtered distribution).")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="Engine batch limit (small values make CPU runs start faster).")
     parser.add_argument("--ratio-band", type=float, default=DEFAULT_RATIO_BAND,
@@ -251,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
 
     vocab_size = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size
-    common = dict(temperature=args.temperature, logprobs=0, seed=args.seed)
+    common = dict(temperature=args.temperature, logprobs=0, seed=args.seed,
+                  ignore_eos=args.ignore_eos)
     run_params = {
         "truncated": SamplingParams(n=args.samples_per_prompt, top_k=args.top_k, top_p=args.top_p,
                                     min_p=args.min_p, max_tokens=args.max_tokens, **common),
