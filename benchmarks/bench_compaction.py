@@ -12,9 +12,12 @@ fallback. One bf16 row per top_k at ``--bf16-at`` (B, V)::
 Per configuration:
 
 - ``kernel_us``: device time of one call, median of ``--reps`` CUDA-event pairs around a single
-  call. Before each call the L2 is flushed (a 256 MiB memset) behind a spin kernel, so the host
-  launches are queued while the GPU is busy and the events measure device time only.
-- ``launch_us``: host time of the call (two Triton launches and four allocations).
+  call. Before each call the L2 is flushed by reading a 256 MiB buffer behind a spin kernel, so
+  the host launches are queued while the GPU is busy and the events measure device time only.
+  ``kernel_us_dirty_l2``: the same after a 256 MiB memset instead (alternating reps): the L2
+  then holds ~60 MB of dirty lines that the timed call writes back to HBM as its reads evict
+  them, which is not the call's own traffic (earlier runs of this script used this flush).
+- ``launch_us``: host time of the call (two Triton launches and two allocations).
 - ``loop_us``: back-to-back calls, warm L2, total / reps: max(device, host) per call.
 - ``GB/s`` = (logits read + ids, counts, bits written) / ``kernel_us``, and its fraction of the
   device-to-device copy bandwidth measured in the same run (``dst.copy_(src)`` of ``--copy-mib``,
@@ -52,6 +55,7 @@ SMALL = dict(batch_sizes=[1, 4], vocab_sizes=[1000, 4096], top_ks=[5, 20], bf16_
 TARGET_TOP_K = 50
 TARGET_BW_AT, TARGET_BW_FRACTION = (256, 151936), 0.80
 TARGET_LATENCY_AT, TARGET_LATENCY_US = (1, 151936), 20.0
+SMALL_SWEEP_AT = ((4, 1000), (1, 1000))  # --small: the sweep's (B, V) points on CPU
 VERIFY_ROWS = 8
 FLUSH_BYTES = 256 << 20
 SPIN_CYCLES = 1_000_000  # ~0.5 ms at H200 clocks: the host queues a whole rep meanwhile
@@ -60,6 +64,14 @@ UNPACK_BUDGET_S = 3.0
 
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def launch_list(text: str) -> list[tuple[int, int, int]]:
+    launches = []
+    for item in text.split(","):
+        block, count_warps, scatter_warps = (int(x) for x in item.split(":"))
+        launches.append((block, count_warps, scatter_warps))
+    return launches
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -82,6 +94,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--unpack-reps", type=int)
     parser.add_argument("--ref-reps", type=int)
     parser.add_argument("--ref-max-batch", type=int, default=64)
+    parser.add_argument("--launches", type=launch_list, default=[],
+                        help="Also time these launch configurations (BLOCK:COUNT_WARPS:"
+                             "SCATTER_WARPS, comma separated) at the target points, with each "
+                             "kernel's device time from the profiler.")
     args = parser.parse_args(argv)
     args.add_cap_plus_one = args.top_ks is None
     defaults = {**FULL, **(SMALL if args.small else {})}
@@ -108,24 +124,30 @@ class Timer:
 
         self.torch = torch
         self.cuda = device.type == "cuda"
-        self.flush = torch.empty(FLUSH_BYTES if self.cuda else 1, dtype=torch.int8, device=device)
+        self.flush = torch.zeros(FLUSH_BYTES // 4 if self.cuda else 1, dtype=torch.float32,
+                                 device=device)
 
     def sync(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize()
 
     def per_call(self, fn: Callable[[], Any], reps: int, warmup: int) -> dict[str, float]:
-        """Median device time of one call (flushed L2) and median host time of issuing it."""
+        """Median device time of one call after a clean and after a dirty L2 flush, and median
+        host time of issuing it."""
         torch = self.torch
         for _ in range(warmup):
             fn()
         self.sync()
-        host_us, pairs = [], []
-        for _ in range(reps):
+        host_us, pairs = [], {"read": [], "memset": []}
+        for rep in range(2 * reps if self.cuda else reps):
+            flush = "read" if rep % 2 == 0 else "memset"
             if self.cuda:
                 if hasattr(torch.cuda, "_sleep"):
                     torch.cuda._sleep(SPIN_CYCLES)
-                self.flush.zero_()
+                if flush == "read":
+                    self.flush.sum()
+                else:
+                    self.flush.zero_()
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -134,10 +156,15 @@ class Timer:
             host_us.append((time.perf_counter() - began) * 1e6)
             if self.cuda:
                 end.record()
-                pairs.append((start, end))
+                pairs[flush].append((start, end))
         self.sync()
-        device_us = [s.elapsed_time(e) * 1e3 for s, e in pairs] if self.cuda else host_us
-        return {"kernel_us": statistics.median(device_us), "kernel_us_min": min(device_us),
+        if not self.cuda:
+            return {"kernel_us": statistics.median(host_us), "kernel_us_min": min(host_us),
+                    "kernel_us_dirty_l2": None, "launch_us": statistics.median(host_us)}
+        device_us = {k: [s.elapsed_time(e) * 1e3 for s, e in v] for k, v in pairs.items()}
+        return {"kernel_us": statistics.median(device_us["read"]),
+                "kernel_us_min": min(device_us["read"]),
+                "kernel_us_dirty_l2": statistics.median(device_us["memset"]),
                 "launch_us": statistics.median(host_us)}
 
     def loop(self, fn: Callable[[], Any], reps: int) -> float:
@@ -263,6 +290,9 @@ def run_config(timer: Timer, args: argparse.Namespace, batch: int, vocab: int, t
     result["loop_us"] = timer.loop(lambda: compact_support(logits, width), args.reps)
     result["bytes_per_s"] = nbytes / (result["kernel_us"] * 1e-6)
     result["copy_bw_fraction"] = result["bytes_per_s"] / copy_bps
+    if result["kernel_us_dirty_l2"] is not None:
+        result["copy_bw_fraction_dirty_l2"] = (
+            nbytes / (result["kernel_us_dirty_l2"] * 1e-6) / copy_bps)
 
     def isfinite_nonzero() -> Any:
         finite = torch.isfinite(logits)  # [B, V] bool
@@ -306,6 +336,55 @@ def run_config(timer: Timer, args: argparse.Namespace, batch: int, vocab: int, t
     return result
 
 
+def per_kernel_device_us(timer: Timer, fn: Callable[[], Any], reps: int) -> dict[str, float]:
+    """Mean device microseconds per launch of each kernel ``fn`` runs (profiler; CUDA only)."""
+    torch = timer.torch
+    if not timer.cuda:
+        return {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        timer.sync()
+    return {e.key: e.device_time_total / e.count for e in prof.key_averages()
+            if e.device_time_total > 0}
+
+
+def launch_sweep(timer: Timer, args: argparse.Namespace, copy_bps: float) -> list[dict]:
+    """Time each ``--launches`` configuration at the target points (top_k 50, fp32 and bf16 at
+    the bandwidth point, fp32 at B=1; plus whole-vocabulary rows at a quarter of the batch), and
+    split its device time by kernel with the profiler (warm L2, mean of ``--reps`` calls)."""
+    import torch
+
+    from vllm_sampling_mask.worker.compaction import CompactionLaunch, compact_support
+
+    (batch, vocab), (small_batch, _) = (SMALL_SWEEP_AT if args.small
+                                        else (TARGET_BW_AT, TARGET_LATENCY_AT))
+    points = [("fp32", batch, vocab, TARGET_TOP_K), ("bf16", batch, vocab, TARGET_TOP_K),
+              ("fp32", small_batch, vocab, TARGET_TOP_K), ("fp32", batch // 4, vocab, vocab)]
+    out = []
+    for dtype_name, batch, vocab, top_k in points:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+        logits = make_logits(batch, vocab, top_k, dtype, timer.flush.device, seed=batch + top_k)
+        width = max(1, min(top_k, vocab, args.max_width))
+        nbytes = batch * vocab * logits.element_size()
+        for block, count_warps, scatter_warps in args.launches:
+            launch = CompactionLaunch(block, count_warps, scatter_warps)
+            verify(compact_support(logits, width, launch), logits, width)
+            timed = timer.per_call(lambda: compact_support(logits, width, launch), args.reps,
+                                   args.warmup)
+            per_kernel = per_kernel_device_us(timer, lambda: compact_support(
+                logits, width, launch), args.reps)
+            result = {"dtype": dtype_name, "batch": batch, "vocab": vocab, "top_k": top_k,
+                      "block": block, "count_warps": count_warps, "scatter_warps": scatter_warps,
+                      **timed, "per_kernel_us_warm_l2": per_kernel,
+                      "logits_read_fraction_of_copy_bw":
+                          nbytes / (timed["kernel_us"] * 1e-6) / copy_bps}
+            print(json.dumps(result), flush=True)
+            out.append(result)
+        del logits
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     setup_environment(args.device)
@@ -324,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     copy = copy_bandwidth(timer, device, args.copy_mib)
     print(f"copy bandwidth: {copy['bytes_per_s'] / 1e9:,.0f} GB/s", flush=True)
 
+    sweep = launch_sweep(timer, args, copy["bytes_per_s"]) if args.launches else []
     configs = [("fp32", b, v, k) for b in args.batch_sizes for v in args.vocab_sizes
                for k in args.top_ks]
     configs += [("bf16", args.bf16_at[0], args.bf16_at[1], k) for k in args.top_ks]
@@ -342,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "l2_flushed": timer.cuda,
         "copy_bandwidth": copy,
         "results": results,
+        "launch_sweep": sweep,
         "targets": targets(results, args.small),
     }
     print("\n" + markdown(report))
@@ -380,17 +461,23 @@ def targets(results: list[dict], small: bool) -> list[dict[str, Any]]:
     return out
 
 
+def _us(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
 def _ms(value: float | None) -> str:
     return "skipped" if value is None else f"{value:.2f}"
 
 
-HEADER = ("| dtype | B | V | top_k | W | kernel us | launch us | loop us | GB/s | % copy BW | "
+HEADER = ("| dtype | B | V | top_k | W | kernel us | dirty-L2 us | launch us | loop us | GB/s | "
+          "% copy BW | "
           "isfinite+nonzero us | x faster | reference ms | copy ms | unpack ms |")
 
 
 def row(r: dict) -> str:
     return (f"| {r['dtype']} | {r['batch']} | {r['vocab']} | {r['top_k']} | {r['width']} | "
-            f"{r['kernel_us']:.1f} | {r['launch_us']:.1f} | {r['loop_us']:.1f} | "
+            f"{r['kernel_us']:.1f} | {_us(r['kernel_us_dirty_l2'])} | {r['launch_us']:.1f} | "
+            f"{r['loop_us']:.1f} | "
             f"{r['bytes_per_s'] / 1e9:,.0f} | {100 * r['copy_bw_fraction']:.0f}% | "
             f"{r['isfinite_nonzero_us']:.1f} | {r['speedup_vs_isfinite_nonzero']:.1f} | "
             f"{_ms(r['reference_ms'])} | {r['copy_ms']:.3f} | {r['unpack_ms']:.3f} |")

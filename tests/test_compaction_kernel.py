@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_sampling_mask.worker.compaction import compact_support, compact_support_reference
+from vllm_sampling_mask.worker.compaction import (
+    CompactionLaunch,
+    compact_support,
+    compact_support_reference,
+)
 from vllm_sampling_mask.worker.step_masks import DeviceStepMasks
 
 DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -25,8 +29,10 @@ def make_logits(vocab: int, sizes: list[int], dtype: torch.dtype, seed: int = 0)
     return torch.stack(rows).to(dtype)
 
 
-def assert_matches_reference(logits: torch.Tensor, width: int) -> None:
-    got = compact_support(logits, width)
+def assert_matches_reference(
+    logits: torch.Tensor, width: int, launch: CompactionLaunch | None = None
+) -> None:
+    got = compact_support(logits, width, launch)
     ref = compact_support_reference(logits.cpu(), width)
     counts = got.counts.cpu()
     assert torch.equal(counts, ref.counts), (counts.tolist(), ref.counts.tolist())
@@ -44,6 +50,24 @@ def test_support_sizes_around_the_width(device: str, dtype: torch.dtype, vocab: 
     width = min(16, vocab - 1)
     sizes = [0, 1, width - 1, width, width + 1, vocab // 2, vocab]
     assert_matches_reference(make_logits(vocab, sizes, dtype).to(device), width)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("vocab", "launch"), [
+    (1000, CompactionLaunch(32, count_warps=1, scatter_warps=1)),
+    (1000, CompactionLaunch(64, count_warps=2, scatter_warps=1)),
+    (4097, CompactionLaunch(256, count_warps=4, scatter_warps=2)),
+    (4097, CompactionLaunch(2048, count_warps=8, scatter_warps=4)),
+], ids=["1000-block32", "1000-block64", "4097-block256", "4097-block2048"])
+def test_many_blocks_per_row(device: str, launch: CompactionLaunch, vocab: int) -> None:
+    # The CPU default puts a whole row in one block; small blocks exercise the offsets across
+    # blocks, blocks that start past the width, and dense words (32 peels) in the interpreter.
+    width = 40
+    sizes = [0, 1, width - 1, width, width + 1, 3 * width, vocab // 2, vocab]
+    logits = make_logits(vocab, sizes, torch.float32, seed=vocab)
+    logits[len(sizes) - 2, :64] = 0.0  # two dense words in the first block
+    assert_matches_reference(logits.to(device), width, launch)
+    assert_matches_reference(logits.to(device), vocab, launch)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -110,3 +134,27 @@ def test_invalid_arguments_are_rejected() -> None:
         compact_support(torch.zeros(2, 10), 0)
     with pytest.raises(ValueError, match="contiguous"):
         compact_support(torch.zeros(10, 2).t(), 4)
+    with pytest.raises(ValueError, match="power of two"):
+        compact_support(torch.zeros(2, 10), 4, CompactionLaunch(48))
+
+
+@pytest.mark.gpu
+def test_repeated_large_batches_match_a_vectorised_reference() -> None:
+    # Every row of many full-size calls, in the sampler's shape (programs finish in any order on
+    # a GPU; the interpreter runs them one by one).
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    vocab, rows = 151936, 512
+    for call in range(40):
+        logits = torch.randn(rows, vocab, device="cuda", generator=gen)
+        top_k = torch.randint(1, 600, (rows,), device="cuda", generator=gen)
+        top_k[call % rows] = vocab  # a dense row
+        threshold = logits.sort(dim=1, descending=True).values.gather(1, (top_k - 1)[:, None])
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+        width = 512
+        got = compact_support(logits, width)
+        kept = torch.isfinite(logits)
+        assert torch.equal(got.counts, kept.sum(dim=1, dtype=torch.int32)), f"call {call}"
+        ids = torch.where(kept, torch.arange(vocab, device="cuda"), vocab).sort(dim=1).values
+        valid = torch.arange(width, device="cuda")[None, :] < got.counts[:, None]
+        assert torch.equal(torch.where(valid, got.ids, -1),
+                           torch.where(valid, ids[:, :width].int(), -1)), f"call {call}"

@@ -12,14 +12,19 @@ So a row of at most ``W`` ids is read from ``packed``, and a wider one (top-k bo
 above the width cap) from ``bits``: the host copies ``[R, 1 + W]`` int32 each step and touches a
 ``[R, ceil(V / 32)]`` bitmap only when some row overflows.
 
-Two launches, each over ``(R, ceil(V / BLOCK))`` programs, so a batch of one row still spreads
+Two launches, each over ``(ceil(V / BLOCK), R)`` programs, so a batch of one row still spreads
 the vocabulary over the whole GPU instead of walking it serially:
 
-1. ``_count_and_pack_kernel`` reads each ``BLOCK`` of logits once, writes its kept count and
-   its bitmap words;
-2. ``_scatter_ids_kernel`` sums the counts of the blocks before it (its output offset), and if
-   its block kept anything and that offset is still below ``W``, expands its bitmap words (1/32
-   of the logits bytes) and writes its ids. Block 0 also writes the row total.
+1. ``_count_and_pack_kernel`` reads each ``BLOCK`` of logits once (the whole cost: it runs at
+   the copy bandwidth) and writes its bitmap words and its kept count;
+2. ``_scatter_ids_kernel`` sums the counts of the row's blocks before its own (its output
+   offset); if its block kept anything and that offset is below ``W``, it expands its bitmap
+   words (1/32 of the logits bytes, from L2) into ids. Block 0 also writes the row's total.
+
+An H200 comparison (issue 6) of this against one launch whose last program per row does the
+scatter (a ticket per row) found the two launches 2-5 us faster in device time (the single
+launch needs a row-wide scan in one program, which lowers the occupancy of the whole read) for
+~35 us more host time per call.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from vllm.triton_utils import tl, triton
 
 BITS_PER_WORD = 32
+MAX_ROWS = 65535  # CUDA's limit of the grid's second axis
 
 
 @dataclass
@@ -59,6 +65,17 @@ class CompactSupport:
 
 
 @triton.jit
+def _popcount(words):
+    """Number of set bits of each 32-bit word (SWAR; no libdevice, so it also runs in the
+    interpreter). Returns int32."""
+    u = words.to(tl.uint32, bitcast=True)
+    u = u - ((u >> 1) & 0x55555555)
+    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F
+    return ((u * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
 def _count_and_pack_kernel(
     logits_ptr,
     logits_stride,
@@ -69,23 +86,24 @@ def _count_and_pack_kernel(
     num_words,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    block = tl.program_id(1)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    in_vocab = offs < vocab_size
-    x = tl.load(logits_ptr + row * logits_stride + offs, mask=in_vocab, other=float("-inf"))
-    x = x.to(tl.float32)
-    # x - x is 0 exactly for finite x, NaN for +-inf and NaN (no libdevice needed).
-    kept = ((x - x) == 0.0) & in_vocab
-    kept_i32 = kept.to(tl.int32)
-    tl.store(block_counts_ptr + row * scratch_stride + block, tl.sum(kept_i32, axis=0))
-
+    # Blocks are the fast grid axis in both kernels, so a row's programs run together.
+    block = tl.program_id(0)
+    row = tl.program_id(1)
     WORDS: tl.constexpr = BLOCK // 32
-    # Distinct powers of two never carry, so the sum is the bitwise OR of the word.
-    shifted = tl.reshape(kept_i32, (WORDS, 32)) << tl.arange(0, 32)[None, :]
-    words = tl.sum(shifted, axis=1)
+    # Load the block as a [WORDS, 32] tile: each word's 32 logits lie along the fast axis, so
+    # the bit packing below is a reduction along axis 1 with no layout conversion.
     word_offs = block * WORDS + tl.arange(0, WORDS)
+    bit = tl.arange(0, 32)
+    offs = word_offs[:, None] * 32 + bit[None, :]
+    x = tl.load(logits_ptr + row * logits_stride + offs, mask=offs < vocab_size,
+                other=float("-inf")).to(tl.float32)
+    # x - x is 0 exactly for finite x, NaN for +-inf and NaN (no libdevice needed); the
+    # out-of-vocabulary padding is -inf, so it is not kept.
+    kept = ((x - x) == 0.0).to(tl.int32)
+    # Distinct powers of two never carry, so the sum is the bitwise OR of the word.
+    words = tl.sum(kept << bit[None, :], axis=1)
     tl.store(bits_ptr + row * scratch_stride + word_offs, words, mask=word_offs < num_words)
+    tl.store(block_counts_ptr + row * scratch_stride + block, tl.sum(_popcount(words), axis=0))
 
 
 @triton.jit
@@ -100,50 +118,84 @@ def _scatter_ids_kernel(
     BLOCK: tl.constexpr,
     NUM_BLOCKS_POW2: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    block = tl.program_id(1)
+    block = tl.program_id(0)
+    row = tl.program_id(1)
     block_ids = tl.arange(0, NUM_BLOCKS_POW2)
     row_counts = tl.load(
         block_counts_ptr + row * scratch_stride + block_ids, mask=block_ids < num_blocks, other=0
     )
     offset = tl.sum(tl.where(block_ids < block, row_counts, 0), axis=0)
-    own_count = tl.sum(tl.where(block_ids == block, row_counts, 0), axis=0)
+    own_count = tl.load(block_counts_ptr + row * scratch_stride + block)
     out_row = packed_ptr + row * (width + 1)
     if block == 0:
         tl.store(out_row, tl.sum(row_counts, axis=0))
-    # Sparse rows (top-k of a large vocabulary) leave most blocks empty: skip their scan.
+    # Sparse rows (top-k of a large vocabulary) leave many blocks empty: those stop here.
     if (offset < width) & (own_count > 0):
         WORDS: tl.constexpr = BLOCK // 32
         word_offs = block * WORDS + tl.arange(0, WORDS)
         words = tl.load(bits_ptr + row * scratch_stride + word_offs, mask=word_offs < num_words,
-                        other=0)
-        kept = tl.reshape((words[:, None] >> tl.arange(0, 32)[None, :]) & 1, (BLOCK,))
-        position = offset + tl.cumsum(kept, axis=0) - 1
-        vocab_ids = block * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out_row + 1 + position, vocab_ids, mask=(kept != 0) & (position < width))
+                        other=0).to(tl.uint32, bitcast=True)
+        word_counts = _popcount(words)
+        # Output position of each word's lowest kept id.
+        position = offset + tl.cumsum(word_counts, axis=0) - word_counts
+        # Peel one kept id (the lowest set bit) off every word per iteration: as many
+        # iterations as the densest word has bits (1-2 for top-k rows, 32 for a dense row),
+        # and never more than the slots left below the width.
+        num_peels = tl.minimum(tl.max(word_counts, axis=0), width - offset)
+        for _ in range(num_peels):
+            rest = words & (words - 1)  # the word without its lowest set bit
+            vocab_ids = word_offs * 32 + _popcount((words ^ rest) - 1)
+            tl.store(out_row + 1 + position, vocab_ids, mask=(words != 0) & (position < width))
+            words = rest
+            position += 1
 
 
-def _block_size(logits: torch.Tensor) -> int:
-    if logits.device.type == "cpu":
-        # Triton's interpreter costs milliseconds per program: use few, large blocks.
-        return min(max(triton.next_power_of_2(logits.shape[1]), 32), 1 << 16)
-    return 2048
+@dataclass(frozen=True)
+class CompactionLaunch:
+    """Launch configuration of ``compact_support``.
+
+    block: vocabulary entries per program (a power of two >= 32), the same in both kernels.
+    count_warps / scatter_warps: ``num_warps`` of the count-and-pack / scatter kernel.
+    """
+
+    block: int
+    count_warps: int = 16
+    scatter_warps: int = 2
+
+    @staticmethod
+    def default_for(logits: torch.Tensor) -> CompactionLaunch:
+        if logits.device.type == "cpu":
+            # Triton's interpreter costs milliseconds per program: use few, large blocks.
+            return CompactionLaunch(min(max(triton.next_power_of_2(logits.shape[1]), 32), 1 << 16))
+        # H200 sweep (benchmarks/bench_compaction.py --launches): the read runs at the copy
+        # bandwidth for every block from 1024 to 16384; larger blocks leave the scatter fewer,
+        # fuller programs (13 us at 2048, 5 us at 8192 for B=256, V=151936).
+        return CompactionLaunch(8192)
 
 
-def compact_support(logits: torch.Tensor, width: int) -> CompactSupport:
+def compact_support(
+    logits: torch.Tensor, width: int, launch: CompactionLaunch | None = None
+) -> CompactSupport:
     """Compact each row's finite entries (Triton; no host sync).
 
     Args:
-        logits: ``[R, V]`` float32 / bfloat16 / float16, last dim contiguous. Read only.
+        logits: ``[R, V]`` float32 / bfloat16 / float16, last dim contiguous, ``R <= 65535``.
+            Read only.
         width: ``W >= 1``, the number of ids per row kept in ``ids``.
+        launch: block size and warps (default ``CompactionLaunch.default_for(logits)``).
     """
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be 2-D with a contiguous last dim, got {tuple(logits.shape)} "
                          f"strides {logits.stride()}")
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
+    launch = launch or CompactionLaunch.default_for(logits)
+    if launch.block < BITS_PER_WORD or launch.block & (launch.block - 1):
+        raise ValueError(f"launch.block must be a power of two >= 32, got {launch.block}")
     num_rows, vocab_size = logits.shape
-    block = _block_size(logits)
+    if num_rows > MAX_ROWS:
+        raise ValueError(f"at most {MAX_ROWS} rows per call (the grid's second axis), got {num_rows}")
+    block = launch.block
     num_blocks = triton.cdiv(vocab_size, block)
     num_words = triton.cdiv(vocab_size, BITS_PER_WORD)
     device = logits.device
@@ -154,14 +206,15 @@ def compact_support(logits: torch.Tensor, width: int) -> CompactSupport:
     if num_rows == 0:
         return CompactSupport(packed, bits, vocab_size)
     row_stride = scratch.stride(0)
-    grid = (num_rows, num_blocks)
+    grid = (num_blocks, num_rows)
     _count_and_pack_kernel[grid](
         logits, logits.stride(0), block_counts, bits, row_stride, vocab_size, num_words,
-        BLOCK=block, num_warps=8,
+        BLOCK=block, num_warps=launch.count_warps,
     )
     _scatter_ids_kernel[grid](
         block_counts, bits, packed, row_stride, num_blocks, num_words, width,
-        BLOCK=block, NUM_BLOCKS_POW2=triton.next_power_of_2(num_blocks), num_warps=8,
+        BLOCK=block, NUM_BLOCKS_POW2=triton.next_power_of_2(num_blocks),
+        num_warps=launch.scatter_warps,
     )
     return CompactSupport(packed, bits, vocab_size)
 
