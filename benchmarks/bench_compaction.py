@@ -381,7 +381,6 @@ def launch_sweep(timer: Timer, args: argparse.Namespace, copy_bps: float) -> lis
                           nbytes / (timed["kernel_us"] * 1e-6) / copy_bps}
             print(json.dumps(result), flush=True)
             out.append(result)
-        del logits
     return out
 
 

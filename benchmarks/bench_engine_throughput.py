@@ -21,7 +21,9 @@ reported, and on/off per B::
     python benchmarks/bench_engine_throughput.py --small                                 # CPU smoke
 
 ``--isolate`` builds each engine in a subprocess instead (one vLLM import per engine); an
-engine that fails to start in-process after another one is retried that way.
+engine that fails to start in-process after another one is retried that way. ``--interleave``
+keeps the off and on engines alive side by side and alternates their rounds, so both see the
+same drift of the machine (the ratios of separate runs moved by more than the masks cost).
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", help="Model dtype (default auto; --small: float32).")
     parser.add_argument("--gpu-memory-utilization", type=float)
     parser.add_argument("--isolate", action="store_true", help="One subprocess per engine.")
+    parser.add_argument("--interleave", action="store_true",
+                        help="Build the off and on engines side by side in this process and "
+                        "alternate their rounds (stock still runs alone, first, in a subprocess).")
     parser.add_argument("--worker-config", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -179,63 +184,109 @@ def check_masks(outputs: list[Any], on: bool) -> dict[str, Any]:
             "problems": problems[:5], "ok": not problems}
 
 
+class EngineUnderTest:
+    """One engine of one config: warm-up, timed rounds, result (see ``run_config``)."""
+
+    def __init__(self, name: str, args: argparse.Namespace, model: str,
+                 gpu_memory_utilization: float | None) -> None:
+        from vllm import LLM
+
+        self.name, self.args = name, args
+        kwargs: dict[str, Any] = dict(
+            model=model, enforce_eager=args.enforce_eager, dtype=args.dtype, seed=0,
+            max_model_len=args.prompt_len + args.output_len + 16,
+            max_num_seqs=max(args.batch_sizes),
+        )
+        if gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if name == "on":
+            kwargs.update(return_sampling_mask=True, logprobs_mode="processed_logprobs")
+        began = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.start_s = time.perf_counter() - began
+        self.vllm_config = self.llm.llm_engine.vllm_config
+        self.vocab = min(len(self.llm.get_tokenizer()),
+                         self.vllm_config.model_config.get_vocab_size())
+        self.rounds: dict[int, list[dict[str, float]]] = {b: [] for b in args.batch_sizes}
+        self.checks: dict[int, dict[str, Any]] = {}
+
+    def params(self, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+
+        a = self.args
+        return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                              max_tokens=max_tokens, ignore_eos=True, logprobs=None)
+
+    def warm_up(self) -> None:
+        for b in self.args.batch_sizes:  # round -1: prompts no timed round uses
+            self.llm.generate(make_prompts(b, -1, self.args.prompt_len, self.vocab),
+                              self.params(self.args.warmup_len), use_tqdm=False)
+
+    def run_round(self, batch: int, round_index: int) -> None:
+        prompts = make_prompts(batch, round_index, self.args.prompt_len, self.vocab)
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(prompts, self.params(self.args.output_len), use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        self.rounds[batch].append({"seconds": seconds, "output_tokens": tokens,
+                                   "tokens_per_s": tokens / seconds})
+        print(f"[{self.name}] B={batch} round {round_index}: {tokens / seconds:,.0f} tok/s "
+              f"({tokens} tokens, {seconds:.2f} s)", flush=True)
+        if round_index == self.args.reps - 1:
+            self.checks[batch] = check_masks(outputs, on=self.name == "on")
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "engine_start_s": self.start_s,
+            "use_v2_model_runner": bool(self.vllm_config.use_v2_model_runner),
+            "logprobs_mode": str(self.vllm_config.model_config.logprobs_mode),
+            "additional_config": dict(self.vllm_config.additional_config or {}),
+            "by_batch": {str(b): {"median_tokens_per_s": statistics.median(
+                                      x["tokens_per_s"] for x in self.rounds[b]),
+                                  "rounds": self.rounds[b], "mask_check": self.checks[b]}
+                         for b in self.args.batch_sizes},
+        }
+
+    def shutdown(self) -> None:
+        shutdown(self.llm)
+        del self.llm
+        gc.collect()
+
+
 def run_config(name: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
     """Build one engine, time every batch size, shut it down. Runs in this process."""
-    from vllm import LLM, SamplingParams
-
-    kwargs: dict[str, Any] = dict(
-        model=model, enforce_eager=args.enforce_eager, dtype=args.dtype, seed=0,
-        max_model_len=args.prompt_len + args.output_len + 16,
-        max_num_seqs=max(args.batch_sizes),
-    )
-    if args.gpu_memory_utilization is not None:
-        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    if name == "on":
-        kwargs.update(return_sampling_mask=True, logprobs_mode="processed_logprobs")
-    began = time.perf_counter()
-    llm = LLM(**kwargs)
-    start_s = time.perf_counter() - began
+    engine = EngineUnderTest(name, args, model, args.gpu_memory_utilization)
     try:
-        vllm_config = llm.llm_engine.vllm_config
-        vocab = min(len(llm.get_tokenizer()), vllm_config.model_config.get_vocab_size())
-
-        def params(max_tokens: int) -> Any:
-            return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  max_tokens=max_tokens, ignore_eos=True, logprobs=None)
-
-        for b in args.batch_sizes:  # warm-up (round -1: prompts no timed round uses)
-            llm.generate(make_prompts(b, -1, args.prompt_len, vocab), params(args.warmup_len),
-                         use_tqdm=False)
-        rounds: dict[int, list[dict[str, float]]] = {b: [] for b in args.batch_sizes}
-        checks: dict[int, dict[str, Any]] = {}
+        engine.warm_up()
         for r in range(args.reps):
             for b in args.batch_sizes:
-                prompts = make_prompts(b, r, args.prompt_len, vocab)
-                t0 = time.perf_counter()
-                outputs = llm.generate(prompts, params(args.output_len), use_tqdm=False)
-                seconds = time.perf_counter() - t0
-                tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-                rounds[b].append({"seconds": seconds, "output_tokens": tokens,
-                                  "tokens_per_s": tokens / seconds})
-                print(f"[{name}] B={b} round {r}: {tokens / seconds:,.0f} tok/s "
-                      f"({tokens} tokens, {seconds:.2f} s)", flush=True)
-                if r == args.reps - 1:
-                    checks[b] = check_masks(outputs, on=name == "on")
-        result = {
-            "engine_start_s": start_s,
-            "use_v2_model_runner": bool(vllm_config.use_v2_model_runner),
-            "logprobs_mode": str(vllm_config.model_config.logprobs_mode),
-            "additional_config": dict(vllm_config.additional_config or {}),
-            "by_batch": {str(b): {"median_tokens_per_s": statistics.median(
-                                      x["tokens_per_s"] for x in rounds[b]),
-                                  "rounds": rounds[b], "mask_check": checks[b]}
-                         for b in args.batch_sizes},
-        }
+                engine.run_round(b, r)
+        return engine.result()
     finally:
-        shutdown(llm)
-        del llm
-        gc.collect()
-    return result
+        engine.shutdown()
+
+
+def run_interleaved(names: list[str], args: argparse.Namespace,
+                    model: str) -> dict[str, dict[str, Any]]:
+    """All ``names`` engines alive at once (each with ``--gpu-memory-utilization``, default
+    0.85 / their number), rounds alternating between them (the order flips every round), so a
+    drift of the machine over time affects every config alike."""
+    share = args.gpu_memory_utilization or round(0.85 / len(names), 2)
+    engines = []
+    try:
+        for name in names:
+            engines.append(EngineUnderTest(name, args, model, share))
+        for engine in engines:
+            engine.warm_up()
+        for r in range(args.reps):
+            for b in args.batch_sizes:
+                for engine in (engines if r % 2 == 0 else engines[::-1]):
+                    engine.run_round(b, r)
+        return {e.name: e.result() | {"isolated": False, "interleaved": True,
+                                      "gpu_memory_utilization": share} for e in engines}
+    finally:
+        for engine in engines:
+            engine.shutdown()
 
 
 def shutdown(llm: Any) -> None:
@@ -305,7 +356,10 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
     results: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
-    for i, name in enumerate(args.config_list):
+    sequential = args.config_list
+    if args.interleave:
+        sequential = [n for n in args.config_list if n == "stock"]
+    for i, name in enumerate(sequential):
         try:
             if args.isolate or name == "stock":
                 results[name] = run_isolated(name, argv)
@@ -327,6 +381,13 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
             print(f"[{name}] FAILED: {errors[name]}", flush=True)
         free_gpu_memory()
+    together = [n for n in args.config_list if n not in sequential]
+    if together:
+        try:
+            results.update(run_interleaved(together, args, model))
+        except Exception as exc:
+            errors["+".join(together)] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"[{'+'.join(together)}] FAILED: {errors['+'.join(together)]}", flush=True)
 
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
@@ -374,7 +435,8 @@ def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"{c['model']} on {env['device']}, {'eager' if c['enforce_eager'] else 'compiled'}, "
              f"prompt {c['prompt_len']} -> {c['output_len']} tokens, top_k {c['top_k']}, "
-             f"top_p {c['top_p']}, {c['reps']} rounds (median); off sampler: "
+             f"top_p {c['top_p']}, {c['reps']} rounds (median)"
+             f"{', off/on interleaved' if c['interleave'] else ''}; off sampler: "
              f"{env['sampler']['off_sampler']}", ""]
     header = "| B | " + " | ".join(f"{n} tok/s" for n in names) + " | " + " | ".join(
         report["ratios"]) + " |"

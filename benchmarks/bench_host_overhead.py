@@ -10,14 +10,17 @@ with top_k ``--top-k``, through the same code the engine runs, each hop timed se
                        -> CSR rows; ``unpack_overflow``: the same with one row wider than W
                        (read from the copied bitmap);
 - ``scheduler``        engine core: the ``Scheduler.update_from_output`` wrapper, i.e.
-                       ``SamplingMaskRows.from_step`` for every request's output;
+                       a ``SamplingMaskRows`` (``row_bytes``) for every request's output;
 - ``encode``/``decode`` the ZMQ hop: vLLM's ``MsgpackEncoder`` / ``MsgpackDecoder`` of one
                        ``EngineCoreOutputs`` of R outputs with masks and, ``*_stock``, without
                        (vLLM's own types); ``*_extra`` is the difference;
-- ``frontend``         the ``OutputProcessor.process_outputs`` wrapper: ``to_lists`` and
-                       accumulation on each request's state;
-- ``attach``           the ``RequestState._new_completion_output`` wrapper for every request
-                       (every step for streamed DELTA outputs; once per request otherwise).
+- ``frontend``         the ``OutputProcessor.process_outputs`` wrapper: accumulation of each
+                       request's undecoded rows on its state;
+- ``attach``           the ``RequestState._new_completion_output`` wrapper for every request,
+                       DELTA (every step when streaming; once per request otherwise): a
+                       ``SamplingMask`` over the step's bytes, not decoded;
+- ``read_token_ids`` / ``read_csr``: not in the totals: what a consumer pays afterwards to read
+                       every attached mask as Python lists or as CSR numpy arrays.
 
 The total adds both processes' work; the engine-core and frontend subtotals run in parallel.
 The wrappers are the plugin's own (``wrap_*``) around no-op originals, so vLLM's own work is
@@ -126,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     import msgspec
     import numpy as np
+    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -206,26 +210,33 @@ def main(argv: Sequence[str] | None = None) -> dict:
     first_rows = processor.request_states[request_ids[0]].sampling_mask_rows.materialized()
     assert first_rows == [step.row(0).tolist()], "frontend rows differ from the worker's"
 
-    # (e) attach: _new_completion_output for every request (DELTA: the new token's row)
-    # The no-op original returns a completion made in setup (vLLM's own cost is not ours).
+    # (e) attach: _new_completion_output for every request, DELTA (streaming: every step). The
+    # no-op original returns a completion made in setup (vLLM's own cost is not ours). Earlier
+    # rows were handed out (and dropped) by earlier outputs: the new token's chunk is held.
     new_completion = wrap_new_completion_output(lambda self, *a, **k: self.completion)
 
     def attach_setup() -> list[Any]:
-        # A request 16 tokens into its output: DELTA completions carry the newest token only,
-        # whose row arrived this step (still undecoded).
         states = []
         for i, (rid, tok) in enumerate(zip(request_ids, tokens)):
             held = RequestMaskRows()
-            held.rows.extend([step.row(i).tolist()] * 15)
-            held.append(SamplingMaskRows.from_step(step, i))
+            held.append(SamplingMaskRows([K], step.row_bytes(i)[1]))
             states.append(Stub(request_id=rid, completion=SimpleNamespace(token_ids=[tok]),
-                               detokenizer=SimpleNamespace(token_ids=[tok] * 16),
-                               sampling_mask_rows=held))
+                               output_kind=RequestOutputKind.DELTA, sampling_mask_rows=held))
         return states
 
     timed("attach", lambda states: [new_completion(s) for s in states], attach_setup)
+    attached = [new_completion(s).sampling_mask for s in attach_setup()]
+    assert attached[0].token_ids == [step.row(0).tolist()], "attached rows differ"
 
-    ms = {name: r["cpu_ms"] for name, r in results.items()}
+    # (f) not the plugin's per-step work: what a consumer then pays to read the masks, as
+    # Python lists (``.token_ids``) or as CSR arrays (``.csr()``, what PackedMasks uses).
+    def attached_masks() -> list[Any]:
+        return [new_completion(s).sampling_mask for s in attach_setup()]
+
+    timed("read_token_ids", lambda masks: [m.token_ids for m in masks], attached_masks)
+    timed("read_csr", lambda masks: [m.csr() for m in masks], attached_masks)
+
+    ms = {name: r["cpu_ms"] for name, r in results.items()}  # read_* are the consumer's
     per_step = {
         "unpack": ms["unpack"],
         "scheduler": ms["scheduler"],

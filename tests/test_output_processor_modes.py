@@ -204,11 +204,17 @@ def test_delta_outputs_carry_only_their_rows(
             processor, engine.output("a", text_tokens[start:start + size], finish)
         )))
         start += size
+        if finish is None:  # rows handed out in a DELTA are not held any longer
+            assert len(processor.request_states["a"].sampling_mask_rows) == 0
 
     start = 0
     for size, delta in zip(sizes, deltas):
         assert list(delta.token_ids) == text_tokens[start:start + size]
-        assert delta.sampling_mask.token_ids == engine.sent_rows["a"][start:start + size]
+        rows = engine.sent_rows["a"][start:start + size]
+        lengths, ids = delta.sampling_mask.csr()  # before token_ids: read from the wire bytes
+        assert lengths.tolist() == [len(r) for r in rows]
+        assert ids.tolist() == [i for r in rows for i in r]
+        assert delta.sampling_mask.token_ids == rows
         start += size
     assert [r for d in deltas for r in d.sampling_mask.token_ids] == engine.sent_rows["a"]
 

@@ -2,19 +2,90 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+
+import numpy as np
 
 
-@dataclass
 class SamplingMask:
     """The kept support of every generated token of one completion.
 
     ``token_ids[i]`` lists, in ascending order, the vocabulary ids whose processed logit was
     finite when ``CompletionOutput.token_ids[i]`` was sampled (after logit bias, penalties, bad
     words, temperature, min-p and top-k/top-p). The sampled token is always in its row.
+
+    The engine hands over the rows as the int32 bytes they travelled in and builds the Python
+    lists of ``token_ids`` on first access, so streaming a mask costs no list building per step.
+    ``csr()`` reads them as numpy arrays without building the lists at all (what
+    ``vllm_sampling_mask.training.PackedMasks.from_any`` uses).
     """
 
-    token_ids: list[list[int]] = field(default_factory=list)
+    __slots__ = ("_rows", "_row_lengths", "_blob")
+
+    def __init__(self, token_ids: list[list[int]] | None = None) -> None:
+        self._rows: list[list[int]] | None = [] if token_ids is None else token_ids
+        self._row_lengths: list[int] | None = None
+        self._blob: bytes | None = None
+
+    @classmethod
+    def from_wire(cls, row_lengths: list[int], blob: bytes) -> SamplingMask:
+        """Rows of ``row_lengths[i]`` ids each, concatenated in ``blob`` as little-endian int32
+        (decoded lazily)."""
+        mask = cls.__new__(cls)
+        mask._rows, mask._row_lengths, mask._blob = None, row_lengths, blob
+        return mask
+
+    @classmethod
+    def concat(cls, masks: Sequence[SamplingMask]) -> SamplingMask:
+        """The rows of ``masks``, in order (stays undecoded if none of them is decoded)."""
+        if all(mask._rows is None for mask in masks):
+            return cls.from_wire([n for mask in masks for n in mask._row_lengths],
+                                 b"".join(mask._blob for mask in masks))
+        return cls([row for mask in masks for row in mask.token_ids])
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        if self._rows is None:
+            flat = np.frombuffer(self._blob, dtype="<i4").tolist()
+            rows, start = [], 0
+            for length in self._row_lengths:
+                rows.append(flat[start:start + length])
+                start += length
+            self._rows, self._row_lengths, self._blob = rows, None, None
+        return self._rows
+
+    @token_ids.setter
+    def token_ids(self, rows: list[list[int]]) -> None:
+        self._rows, self._row_lengths, self._blob = rows, None, None
+
+    def csr(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(row_lengths [T] int64, token_ids [N] int32)``: the rows as CSR arrays (read-only
+        views of the engine's bytes when ``token_ids`` was never accessed)."""
+        if self._rows is None:
+            return (np.asarray(self._row_lengths, dtype=np.int64),
+                    np.frombuffer(self._blob, dtype="<i4").astype(np.int32, copy=False))
+        rows = self._rows
+        lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+        ids = np.fromiter((i for row in rows for i in row), dtype=np.int32,
+                          count=int(lengths.sum()))
+        return lengths, ids
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self._row_lengths) if self._rows is None else len(self._rows)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SamplingMask):
+            return NotImplemented
+        return self.token_ids == other.token_ids
+
+    __hash__ = None  # mutable, like the dataclass it replaces
+
+    def __repr__(self) -> str:
+        return f"SamplingMask(token_ids={self.token_ids!r})"
+
+    def __getstate__(self) -> tuple[list[list[int]] | None, list[int] | None, bytes | None]:
+        return self._rows, self._row_lengths, self._blob
+
+    def __setstate__(self, state: tuple[list[list[int]] | None, list[int] | None,
+                                        bytes | None]) -> None:
+        self._rows, self._row_lengths, self._blob = state

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vllm_sampling_mask.compact_format import ENCODINGS, decode_compact, encode_compact
+from vllm_sampling_mask.outputs import SamplingMask
 from vllm_sampling_mask.training import PackedMasks, pack_padded_batch
 
 ROWS = [[3], [0, 1, 2, 3, 4, 5, 6], [], [2, 5], [6]]  # single, whole vocab (V=7), empty
@@ -38,7 +39,7 @@ def test_compact_rejects_inconsistent_lengths() -> None:
 
 
 @pytest.mark.parametrize("form", ["packed", "rows", "numpy_rows", "compact", "sampling_mask",
-                                  "sampling_mask_compact"])
+                                  "sampling_mask_compact", "our_sampling_mask_undecoded"])
 def test_from_any_accepts_every_form(form: str) -> None:
     source = {
         "packed": PackedMasks.from_rows(ROWS),
@@ -48,6 +49,8 @@ def test_from_any_accepts_every_form(form: str) -> None:
         "sampling_mask": SimpleNamespace(token_ids=ROWS),
         "sampling_mask_compact": SimpleNamespace(
             token_ids=encode_compact(ROWS, encoding="csr-delta-varint-base64")),
+        "our_sampling_mask_undecoded": SamplingMask.from_wire(
+            [len(r) for r in ROWS], np.array([i for r in ROWS for i in r], dtype="<i4").tobytes()),
     }[form]
     assert PackedMasks.from_any(source).to_rows() == ROWS
 

@@ -44,18 +44,20 @@ def wrap_update_from_output(original: Any) -> Any:
             outputs = original(self, scheduler_output, model_runner_output)
         step = getattr(model_runner_output, "sampling_masks", None)
         index = model_runner_output.req_id_to_index
+        row_bytes = None if step is None else step.row_bytes
         for engine_core_outputs in outputs.values():
             for output in engine_core_outputs.outputs:
                 num_new = len(output.new_token_ids)
                 if num_new == 0:
                     continue
-                if step is None or num_new != 1:
+                if row_bytes is None or num_new != 1:
                     raise RuntimeError(
                         f"sampling masks lost for request {output.request_id}: the step produced "
                         f"{num_new} token(s) but {'no masks' if step is None else 'one row'}. "
                         "This is a bug in vllm-sampling-mask; please report it."
                     )
-                output.sampling_mask = SamplingMaskRows.from_step(step, index[output.request_id])
+                length, blob = row_bytes(index[output.request_id])
+                output.sampling_mask = SamplingMaskRows([length], blob)
         return outputs
 
     return update_from_output

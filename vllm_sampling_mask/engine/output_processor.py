@@ -3,8 +3,9 @@
 
 Rows are appended to the request's state in lock step with its token ids, so a completion's
 mask is always "the last ``len(token_ids)`` rows": all rows for FINAL_ONLY / CUMULATIVE outputs,
-the rows of the new tokens for DELTA outputs (also when ``stream_interval`` batches several).
-The rows live on vLLM's ``RequestState``, so they are freed with it (finish, abort, disconnect).
+the rows of the new tokens for DELTA outputs (also when ``stream_interval`` batches several;
+DELTA rows are dropped once handed out). The rows live on vLLM's ``RequestState``, so they are
+freed with it (finish, abort, disconnect).
 """
 
 from __future__ import annotations
@@ -22,28 +23,48 @@ _ENABLED_ATTR = "sampling_mask_enabled"
 class RequestMaskRows:
     """One request's rows: decoded rows plus step chunks not decoded yet.
 
-    Chunks are decoded only when an output is built (every step when streaming, once at the end
-    for ``LLM`` / non-streaming requests), so the per-step frontend work is an append.
+    Chunks are decoded only when an output needs Python lists (CUMULATIVE outputs, every step);
+    FINAL_ONLY and DELTA outputs get a ``SamplingMask`` over the chunks' bytes, decoded on the
+    user's first access of ``token_ids``, so the per-step frontend work is an append. DELTA
+    hands each row out once, so its rows are dropped when handed out.
     """
 
-    __slots__ = ("rows", "_pending")
+    __slots__ = ("rows", "_pending", "_num_pending")
 
     def __init__(self) -> None:
         self.rows: list[list[int]] = []
         self._pending: list[SamplingMaskRows] = []
+        self._num_pending = 0  # rows in _pending
 
     def append(self, chunk: SamplingMaskRows) -> None:
         self._pending.append(chunk)
+        self._num_pending += len(chunk.row_lengths)
 
     def __len__(self) -> int:
-        return len(self.rows) + sum(len(chunk.row_lengths) for chunk in self._pending)
+        return len(self.rows) + self._num_pending
 
     def materialized(self) -> list[list[int]]:
         """All rows so far (the same list object every call: it only grows)."""
         if self._pending:
             self.rows.extend(decode_rows(self._pending))
             self._pending.clear()
+            self._num_pending = 0
         return self.rows
+
+    def take_last(self, num_rows: int) -> SamplingMask:
+        """The last ``num_rows`` rows, undecoded; every row held is dropped (DELTA and
+        FINAL_ONLY outputs, which never call ``materialized``).
+
+        Requires ``num_rows <= len(self)``.
+        """
+        pending, held = self._pending, self._num_pending
+        self._pending, self._num_pending = [], 0
+        if held == num_rows and len(pending) == 1:  # the streaming case
+            return SamplingMask.from_wire(pending[0].row_lengths, pending[0].token_ids)
+        lengths = [n for chunk in pending for n in chunk.row_lengths]
+        skip = held - num_rows
+        blob = b"".join(chunk.token_ids for chunk in pending)
+        return SamplingMask.from_wire(lengths[skip:], blob[4 * sum(lengths[:skip]):])
 
 
 def wrap_add_request(original: Any) -> Any:
@@ -72,8 +93,12 @@ def wrap_process_outputs(original: Any) -> Any:
                 if rows is None:
                     continue
                 state = states.get(output.request_id)
-                if state is not None:
-                    state.__dict__.setdefault(_ROWS_ATTR, RequestMaskRows()).append(rows)
+                if state is None:
+                    continue
+                holder = state.__dict__.get(_ROWS_ATTR)
+                if holder is None:
+                    holder = state.__dict__[_ROWS_ATTR] = RequestMaskRows()
+                holder.append(rows)
         return original(self, engine_core_outputs, *args, **kwargs)
 
     return process_outputs
@@ -81,24 +106,33 @@ def wrap_process_outputs(original: Any) -> Any:
 
 def wrap_new_completion_output(original: Any) -> Any:
     """``RequestState._new_completion_output`` plus ``sampling_mask`` aligned with ``token_ids``."""
+    from vllm.sampling_params import RequestOutputKind
+
+    cumulative = RequestOutputKind.CUMULATIVE
 
     @functools.wraps(original)
     def _new_completion_output(self: Any, *args: Any, **kwargs: Any) -> Any:
         completion = original(self, *args, **kwargs)
         holder: RequestMaskRows | None = self.__dict__.get(_ROWS_ATTR)
-        if holder is not None:
-            rows = holder.materialized()
-            start = len(rows) - len(completion.token_ids)
-            if start < 0:
-                raise RuntimeError(
-                    f"sampling mask of request {self.request_id} has {len(rows)} rows for "
-                    f"{len(completion.token_ids)} tokens. This is a bug in vllm-sampling-mask."
-                )
-            # CUMULATIVE outputs hand out the detokenizer's live token list, which keeps
-            # growing after the output is returned: share the live row list the same way so
-            # the two stay aligned for a consumer that reads the output later.
-            live = start == 0 and completion.token_ids is getattr(self.detokenizer, "token_ids", None)
-            completion.sampling_mask = SamplingMask(rows if live else rows[start:])
+        if holder is None:
+            return completion
+        num_tokens, num_rows = len(completion.token_ids), len(holder)
+        if num_rows < num_tokens:
+            raise RuntimeError(
+                f"sampling mask of request {self.request_id} has {num_rows} rows for "
+                f"{num_tokens} tokens. This is a bug in vllm-sampling-mask."
+            )
+        if self.output_kind is not cumulative:
+            # DELTA: the new tokens' rows; FINAL_ONLY: all rows (built once, at the end).
+            completion.sampling_mask = holder.take_last(num_tokens)
+            return completion
+        rows = holder.materialized()
+        # CUMULATIVE outputs hand out the detokenizer's live token list, which keeps growing
+        # after the output is returned: share the live row list the same way so the two stay
+        # aligned for a consumer that reads the output later.
+        live = len(rows) == num_tokens and completion.token_ids is getattr(
+            self.detokenizer, "token_ids", None)
+        completion.sampling_mask = SamplingMask(rows if live else rows[len(rows) - num_tokens:])
         return completion
 
     return _new_completion_output
@@ -117,8 +151,10 @@ def wrap_request_output_add(original: Any) -> Any:
             merged = before.get(completion.index)
             if merged is None or merged is completion or completion.sampling_mask is None:
                 continue
-            rows = merged.sampling_mask.token_ids if merged.sampling_mask is not None else []
-            merged.sampling_mask = SamplingMask(rows + completion.sampling_mask.token_ids)
+            parts = [completion.sampling_mask]
+            if merged.sampling_mask is not None:
+                parts.insert(0, merged.sampling_mask)
+            merged.sampling_mask = SamplingMask.concat(parts)
 
     return add
 

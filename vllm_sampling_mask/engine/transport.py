@@ -22,7 +22,6 @@ import numpy as np
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
 from vllm_sampling_mask.config import SamplingMaskConfig
-from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
 
 
 class SamplingMaskRows(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -34,11 +33,6 @@ class SamplingMaskRows(msgspec.Struct, array_like=True, gc=False):  # type: igno
 
     row_lengths: list[int]
     token_ids: bytes
-
-    @classmethod
-    def from_step(cls, step: StepSamplingMasks, row_index: int) -> SamplingMaskRows:
-        length, blob = step.row_bytes(row_index)
-        return cls([length], blob)
 
     def to_lists(self) -> list[list[int]]:
         """The rows as ``list[list[int]]`` (one per token)."""

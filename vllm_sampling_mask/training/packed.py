@@ -141,13 +141,16 @@ class PackedMasks:
         """Build from whichever form a mask arrives in.
 
         Accepts a ``PackedMasks`` (moved to ``device`` if given), a compact wire-format dict,
-        an object with a ``.token_ids`` attribute (``SamplingMask``; its ``token_ids`` may itself
+        our ``SamplingMask`` (read through ``csr()``, never as Python lists), an object with a
+        ``.token_ids`` attribute (vLLM >= 0.28's ``SamplingMask``; its ``token_ids`` may itself
         be rows or a compact dict), or a sequence of rows.
         """
         if isinstance(masks, PackedMasks):
             return masks if device is None else masks.to(device)
         if isinstance(masks, dict):
             return cls.from_compact(masks, device=device)
+        if callable(getattr(masks, "csr", None)):
+            return cls.from_csr(*masks.csr(), device=device)
         if hasattr(masks, "token_ids"):
             return cls.from_any(masks.token_ids, device=device)
         return cls.from_rows(masks, device=device)

@@ -1,0 +1,356 @@
+"""HTTP throughput of ``POST /inference/v1/generate`` with sampling masks off, JSON and compact.
+
+One ``vllm serve MODEL --return-sampling-mask --logprobs-mode processed_logprobs`` runs in the
+background (started and stopped as ``http_smoke.py`` does; standard library HTTP only, one
+connection per request). Per request mode, on that one server:
+
+- ``off``:     ``"return_sampling_mask": false`` (the engine switch is server-wide, so the engine
+  still computes the masks: the difference to ``off`` is the API server's response building and
+  the wire; ``bench_engine_throughput.py`` measures the engine);
+- ``json``:    the endpoint's default on this server, rows as ``list[list[int]]``;
+- ``compact``: ``"sampling_mask_format": "compact"`` (``csr-delta-varint-base64``).
+
+For each concurrency C (``--concurrency``, default 1,64), C client threads send ``--requests``
+non-streaming requests (default max(8, 4 C)), each ``--prompt-len`` random token ids below 2000
+(seeded, fresh for every request so the prefix cache never helps), ``temperature 1.0, top_k 50,
+top_p 0.95, max_tokens --max-tokens, ignore_eos``. One short warm-up round per mode first, then
+``--rounds`` rounds with the modes interleaved (off, json, compact, off, ...) so drift hits all
+alike. Per round: output tokens/s = generated tokens / wall time of the round (first request sent
+to last response read), requests/s, mean response body bytes, mean request latency; per mode the
+median over rounds, and tokens/s relative to ``off`` at the same C. After each round (outside the
+timing) every response is checked with ``http_smoke.contract``: one row per generated token, rows
+ascending, the sampled token in its row (compact decoded with ``decode_compact``); ``off``: no
+mask. Exit status 1 on any violation or failed request::
+
+    python3 benchmarks/bench_http_throughput.py /root/models/qwen3-0.6b --out bench_out/http.json  # H200
+    python benchmarks/bench_http_throughput.py --small --out bench_out/http_throughput_small.json  # CPU smoke
+
+``--small`` builds the tiny model of ``vllm_sampling_mask.tiny_model`` and starts the server with
+the CPU-platform environment of ``tests/support`` (Triton interpreter): the numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import http.client
+import importlib.metadata
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+# This script's directory is on sys.path.
+from http_smoke import Client, contract, free_port
+
+ENDPOINT = "/inference/v1/generate"
+DEFAULT_MODEL = "/root/models/qwen3-0.6b"
+SMALL_MODEL_DIR = Path(tempfile.gettempdir()) / "vllm_sampling_mask_bench" / "tiny_model"
+MODES: dict[str, dict[str, Any]] = {
+    "off": {"return_sampling_mask": False},
+    "json": {},
+    "compact": {"sampling_mask_format": "compact"},
+}
+PROMPT_ID_RANGE = (10, 2000)  # above the special tokens, inside any vocabulary
+FULL = {"concurrency": [1, 64], "max_tokens": 256, "prompt_len": 128, "rounds": 2,
+        "warmup_tokens": 16}
+SMALL = {"concurrency": [1, 4], "max_tokens": 8, "prompt_len": 16, "rounds": 2, "warmup_tokens": 4}
+SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.95, "ignore_eos": True}
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?",
+                        help=f"Model path (default {DEFAULT_MODEL}; --small: a tiny local model).")
+    parser.add_argument("--small", action="store_true",
+                        help="CPU smoke run: tiny model, concurrency 1 and 4, 8 tokens, fp32.")
+    parser.add_argument("--concurrency", type=int_list, help=f"Default {FULL['concurrency']}.")
+    parser.add_argument("--requests", type=int,
+                        help="Requests per round and mode (default max(8, 4 C); --small: max(4, 2 C)).")
+    parser.add_argument("--max-tokens", type=int, help=f"Default {FULL['max_tokens']}.")
+    parser.add_argument("--prompt-len", type=int, help=f"Default {FULL['prompt_len']}.")
+    parser.add_argument("--rounds", type=int, help=f"Timed rounds per mode (default {FULL['rounds']}).")
+    parser.add_argument("--warmup-tokens", type=int, help="max_tokens of the warm-up round.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the prompts.")
+    parser.add_argument("--dtype", help="Model dtype (default auto; --small: float32).")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="Eager (default, fast start); --no-enforce-eager: torch.compile + "
+                        "CUDA graphs.")
+    parser.add_argument("--startup-timeout", type=float, default=900)
+    parser.add_argument("--serve-arg", action="append", default=[], help="Extra `vllm serve` argument.")
+    parser.add_argument("--log", type=Path, help="Server log file (default: a temp file).")
+    parser.add_argument("--out", type=Path, help="Write the full results as JSON here.")
+    args = parser.parse_args(argv)
+    for name, value in (SMALL if args.small else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.dtype is None:
+        args.dtype = "float32" if args.small else "auto"  # vLLM's min-p kernel: no bf16 on CPU
+    return args
+
+
+def request_count(args: argparse.Namespace, concurrency: int) -> int:
+    if args.requests is not None:
+        return args.requests
+    return max(4, 2 * concurrency) if args.small else max(8, 4 * concurrency)
+
+
+def server_environment(small: bool) -> dict[str, str]:
+    """The server's environment: ours, plus the CPU test platform of ``tests/support`` if small."""
+    env = dict(os.environ)
+    if small:
+        try:
+            from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
+        except ImportError:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+            from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
+        env.update(cpu_test_env())
+    return env
+
+
+def serve_command(args: argparse.Namespace, model: str, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+           "--host", "127.0.0.1", "--port", str(port), "--return-sampling-mask",
+           "--logprobs-mode", "processed_logprobs", "--dtype", args.dtype,
+           "--max-model-len", str(args.prompt_len + args.max_tokens + 16),
+           "--max-num-seqs", str(max(args.concurrency))]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd + args.serve_arg
+
+
+@contextlib.contextmanager
+def running_server(cmd: list[str], env: dict[str, str], log_path: Path,
+                   startup_timeout: float) -> Iterator[Client]:
+    """``cmd`` in its own process group (output to ``log_path``) until ``/health`` answers;
+    SIGTERM to the group at exit (SIGKILL after 60 s)."""
+    port = int(cmd[cmd.index("--port") + 1])
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    client = Client("127.0.0.1", port)
+    deadline = time.monotonic() + startup_timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log_path}")
+            try:
+                client.get("/health")
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve not healthy after {startup_timeout}s; see {log_path}")
+            time.sleep(1)
+        yield client
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def request_bodies(args: argparse.Namespace, mode: str, concurrency: int, round_index: int,
+                   count: int, max_tokens: int) -> list[dict[str, Any]]:
+    """``count`` request bodies with random prompts, a function of (seed, C, round, mode) only."""
+    rng = random.Random(f"{args.seed}-{concurrency}-{round_index}-{mode}")
+    params = {**SAMPLING, "max_tokens": max_tokens}
+    return [{"token_ids": [rng.randrange(*PROMPT_ID_RANGE) for _ in range(args.prompt_len)],
+             "sampling_params": params, **MODES[mode]} for _ in range(count)]
+
+
+def timed_post(client: Client, body: dict[str, Any]) -> tuple[int, bytes, float]:
+    """(HTTP status, response body, seconds); status 0 when the connection failed."""
+    start = time.perf_counter()
+    try:
+        status, content = client.post(ENDPOINT, body)
+    except (OSError, http.client.HTTPException) as exc:
+        status, content = 0, f"{type(exc).__name__}: {exc}".encode()
+    return status, content, time.perf_counter() - start
+
+
+def response_problem(mode: str, status: int, content: bytes) -> tuple[int, int, str | None]:
+    """(generated tokens, ids kept over its rows, violation or None) of one response."""
+    if status != 200:
+        return 0, 0, f"HTTP {status}: {content[:300]!r}"
+    try:
+        (choice,) = json.loads(content)["choices"]
+        tokens = len(choice["token_ids"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return 0, 0, f"not one choice with token_ids ({type(exc).__name__}): {content[:300]!r}"
+    if mode == "off":
+        return tokens, 0, "a mask with return_sampling_mask false" if "sampling_mask" in choice else None
+    if choice.get("sampling_mask") is None:
+        return tokens, 0, "no sampling_mask"
+    if mode == "compact" and not isinstance(choice["sampling_mask"], dict):
+        return tokens, 0, "compact asked, lists sent"
+    try:
+        rows = contract(choice["token_ids"], choice["sampling_mask"])
+    except AssertionError as exc:
+        return tokens, 0, str(exc)
+    return tokens, sum(len(row) for row in rows), None
+
+
+def run_round(client: Client, bodies: list[dict[str, Any]], mode: str,
+              concurrency: int) -> dict[str, Any]:
+    """Send ``bodies`` from ``concurrency`` threads, time the round, then check every response."""
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda body: timed_post(client, body), bodies))
+    seconds = time.perf_counter() - start
+    tokens = kept_ids = 0
+    problems = []
+    for status, content, _ in results:
+        num_tokens, num_kept, problem = response_problem(mode, status, content)
+        tokens += num_tokens
+        kept_ids += num_kept
+        if problem is not None:
+            problems.append(problem)
+    return {"seconds": seconds, "requests": len(bodies), "output_tokens": tokens,
+            "tokens_per_s": tokens / seconds, "requests_per_s": len(bodies) / seconds,
+            "mean_response_bytes": statistics.fmean(len(c) for _, c, _ in results),
+            "mean_latency_s": statistics.fmean(s for _, _, s in results),
+            "mean_row_width": kept_ids / tokens if mode != "off" and tokens else None,
+            "failed_requests": sum(status != 200 for status, _, _ in results),
+            "violations": len(problems), "problems": problems[:5]}
+
+
+def run_concurrency(client: Client, args: argparse.Namespace,
+                    concurrency: int) -> dict[str, dict[str, Any]]:
+    """Warm-up, then ``args.rounds`` interleaved rounds of every mode; per-mode medians."""
+    count = request_count(args, concurrency)
+    for mode in MODES:  # warm-up: round -1, prompts no timed round uses
+        run_round(client, request_bodies(args, mode, concurrency, -1, concurrency,
+                                         args.warmup_tokens), mode, concurrency)
+    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    for r in range(args.rounds):
+        for mode in MODES:
+            bodies = request_bodies(args, mode, concurrency, r, count, args.max_tokens)
+            result = run_round(client, bodies, mode, concurrency)
+            rounds[mode].append(result)
+            print(f"[C={concurrency} {mode}] round {r}: {result['tokens_per_s']:,.1f} tok/s, "
+                  f"{result['mean_response_bytes']:,.0f} B/request, "
+                  f"{result['violations']} violations", flush=True)
+    by_mode = {}
+    for mode, mode_rounds in rounds.items():
+        by_mode[mode] = {
+            **{f"median_{key}": statistics.median(x[key] for x in mode_rounds)
+               for key in ("tokens_per_s", "requests_per_s", "mean_response_bytes",
+                           "mean_latency_s")},
+            "requests": count,
+            "failed_requests": sum(x["failed_requests"] for x in mode_rounds),
+            "violations": sum(x["violations"] for x in mode_rounds),
+            "rounds": mode_rounds,
+        }
+    for result in by_mode.values():
+        result["tokens_per_s_vs_off"] = (result["median_tokens_per_s"]
+                                         / by_mode["off"]["median_tokens_per_s"])
+    return by_mode
+
+
+def device_name(small: bool) -> str:
+    """The GPU's name (asked after the server stopped: no CUDA context beside the server's)."""
+    if small:
+        return "cpu (Triton interpreter)"
+    try:
+        import torch
+    except ImportError:
+        return "unknown (no torch)"
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    c = report["config"]
+    title = (f"{report['model']} on {report['device']} over HTTP ({ENDPOINT}, non-streaming), "
+             f"{'eager' if c['enforce_eager'] else 'compiled'}, prompt {c['prompt_len']} -> "
+             f"{c['max_tokens']} tokens, top_k {SAMPLING['top_k']}, top_p {SAMPLING['top_p']}, "
+             f"median of {c['rounds']} rounds")
+    header = ("| C | mode | requests | tok/s | req/s | bytes/request | mean latency s "
+              "| tok/s vs off | violations |")
+    lines = [title, "", header, "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for concurrency, by_mode in report["results"].items():
+        for mode, r in by_mode.items():
+            lines.append(
+                f"| {concurrency} | {mode} | {r['requests']} | {r['median_tokens_per_s']:,.1f} | "
+                f"{r['median_requests_per_s']:,.2f} | {r['median_mean_response_bytes']:,.0f} | "
+                f"{r['median_mean_latency_s']:.3f} | {r['tokens_per_s_vs_off']:.3f} | "
+                f"{r['violations']} |")
+    return "\n".join(lines)
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    return {"model": report["model"], "device": report["device"], "ok": report["ok"],
+            "tokens_per_s": {f"C{c}": {m: round(r["median_tokens_per_s"], 1)
+                                       for m, r in by_mode.items()}
+                             for c, by_mode in report["results"].items()},
+            "vs_off": {f"C{c}": {m: round(r["tokens_per_s_vs_off"], 3)
+                                 for m, r in by_mode.items() if m != "off"}
+                       for c, by_mode in report["results"].items()},
+            "bytes_per_request": {f"C{c}": {m: round(r["median_mean_response_bytes"])
+                                            for m, r in by_mode.items()}
+                                  for c, by_mode in report["results"].items()}}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.model is None and args.small:
+        from vllm_sampling_mask.tiny_model import build_tiny_model
+
+        args.model = str(build_tiny_model(SMALL_MODEL_DIR))
+    model = args.model or DEFAULT_MODEL
+    if args.log is None:
+        fd, name = tempfile.mkstemp(prefix="bench-http-serve-", suffix=".log")
+        os.close(fd)
+        args.log = Path(name)
+    log_path = args.log
+    cmd = serve_command(args, model, free_port())
+    print(f"server: {' '.join(cmd)} (log {log_path})", flush=True)
+    began = time.perf_counter()
+    with running_server(cmd, server_environment(args.small), log_path, args.startup_timeout) as client:
+        startup_s = time.perf_counter() - began
+        print(f"server healthy after {startup_s:.0f} s", flush=True)
+        results = {str(c): run_concurrency(client, args, c) for c in args.concurrency}
+        # Counted before the stop: SIGTERM to the process group logs an EngineDeadError traceback.
+        tracebacks = log_path.read_text(errors="replace").count("Traceback")
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model": model,
+        "device": device_name(args.small),
+        "vllm": importlib.metadata.version("vllm"),
+        "server_command": cmd,
+        "server_startup_s": startup_s,
+        "server_log": str(log_path),
+        "server_log_tracebacks_before_stop": tracebacks,
+        "results": results,
+    }
+    report["ok"] = all(r["violations"] == 0 for by_mode in results.values()
+                       for r in by_mode.values())
+    print("\n" + markdown(report) + "\n")
+    print(json.dumps(summary(report), separators=(",", ":")), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"written to {args.out}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

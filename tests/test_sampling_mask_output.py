@@ -1,0 +1,48 @@
+"""``SamplingMask`` (``vllm.outputs.SamplingMask``): lazy rows from the wire bytes."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from vllm_sampling_mask.outputs import SamplingMask
+
+ROWS = [[3, 7, 2**31 - 1], [], [0]]
+
+
+def wire(rows: list[list[int]]) -> SamplingMask:
+    blob = np.array([i for row in rows for i in row], dtype="<i4").tobytes()
+    return SamplingMask.from_wire([len(row) for row in rows], blob)
+
+
+@pytest.mark.parametrize("make", [wire, SamplingMask], ids=["wire", "lists"])
+def test_rows_and_csr_agree(make) -> None:
+    mask = make([list(row) for row in ROWS])
+    lengths, ids = mask.csr()
+    assert lengths.dtype == np.int64 and ids.dtype == np.int32
+    assert lengths.tolist() == [3, 0, 1] and ids.tolist() == [3, 7, 2**31 - 1, 0]
+    assert len(mask) == 3
+    assert mask.token_ids == ROWS
+    assert mask.csr()[1].tolist() == ids.tolist()  # also after decoding
+    assert mask == SamplingMask(ROWS) and mask != SamplingMask(ROWS[:2])
+
+
+def test_concat_stays_undecoded_and_mixes_with_lists() -> None:
+    joined = SamplingMask.concat([wire(ROWS[:1]), wire(ROWS[1:])])
+    assert joined.csr()[0].tolist() == [3, 0, 1]
+    assert joined.token_ids == ROWS
+    mixed = SamplingMask.concat([SamplingMask([[1]]), wire([[2, 5]])])
+    assert mixed.token_ids == [[1], [2, 5]]
+    assert SamplingMask.concat([]).token_ids == []
+
+
+def test_setter_pickle_and_default() -> None:
+    mask = wire(ROWS)
+    restored = pickle.loads(pickle.dumps(mask))
+    assert restored.token_ids == ROWS
+    mask.token_ids = [[9]]
+    assert mask.csr()[1].tolist() == [9] and len(mask) == 1
+    assert SamplingMask().token_ids == [] and len(SamplingMask()) == 0
+    assert repr(SamplingMask([[1, 2]])) == "SamplingMask(token_ids=[[1, 2]])"
