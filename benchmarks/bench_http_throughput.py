@@ -25,6 +25,8 @@ mask. Exit status 1 on any violation or failed request::
     python3 benchmarks/bench_http_throughput.py /root/models/qwen3-0.6b --out bench_out/http.json  # H200
     python benchmarks/bench_http_throughput.py --small --out bench_out/http_throughput_small.json  # CPU smoke
 
+(On the lent H200, one ``--concurrency`` per 10-minute call: eager, C=1 alone takes ~6 min.)
+
 ``--small`` builds the tiny model of ``vllm_sampling_mask.tiny_model`` and starts the server with
 the CPU-platform environment of ``tests/support`` (Triton interpreter): the numbers mean nothing.
 """

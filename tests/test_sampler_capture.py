@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from vllm_sampling_mask.worker.sampler import SamplingMaskCapture, attach_capture
+from vllm_sampling_mask.worker.sampler import SamplingMaskCapture, attach_capture, tie_slack
+from vllm_sampling_mask.worker.step_masks import fetch_rows
 
 
 def fake_sampler(vocab_size: int) -> SimpleNamespace:
@@ -32,13 +33,28 @@ def test_switch_off_leaves_the_sampler_alone() -> None:
     assert sampler.use_flashinfer is True and "sampling_mask_capture" not in sampler.__dict__
 
 
-def test_width_is_the_batch_largest_top_k_capped() -> None:
-    capture = SamplingMaskCapture(max_width=32, vocab_size=500)
+def test_width_is_the_batch_largest_top_k_plus_tie_slack_capped() -> None:
+    capture = SamplingMaskCapture(max_width=64, vocab_size=500)
     logits = torch.randn(3, 500)
     step = capture.compact(logits, np.array([5, 20, 9], dtype=np.int32))
-    assert step.support.ids.shape == (3, 20) and not step.overflow_expected
+    assert step.support.ids.shape == (3, 20 + tie_slack(20)) and not step.overflow_expected
     # "no top_k" is stored by vLLM as the vocabulary size: capped width, bitmap copied eagerly.
     step = capture.compact(logits, np.array([5, 500, 9], dtype=np.int32))
-    assert step.support.ids.shape == (3, 32) and step.overflow_expected
+    assert step.support.ids.shape == (3, 64) and step.overflow_expected
     host = step.copy_to_host_nonblocking().unpack(np.ones(3, dtype=np.int32))
     assert host.row(1).tolist() == list(range(500))  # exact beyond the cap
+
+
+def test_rows_wider_than_the_width_are_fetched_from_the_bitmap() -> None:
+    # Ties beyond the slack: the width is too small for row 1, which is read from the bitmap
+    # (fetch_rows; on a GPU on a side stream) and still exact.
+    capture = SamplingMaskCapture(max_width=64, vocab_size=300)
+    logits = torch.full((2, 300), float("-inf"))
+    logits[0, :3] = 0.0
+    logits[1, 100:200] = 1.0  # 100 ids tied, far beyond top_k 3 + slack 32
+    step = capture.compact(logits, np.array([3, 3], dtype=np.int32))
+    assert not step.overflow_expected and step.support.ids.shape == (2, 35)
+    host = step.copy_to_host_nonblocking().unpack(np.ones(2, dtype=np.int32))
+    assert host.row(0).tolist() == [0, 1, 2]
+    assert host.row(1).tolist() == list(range(100, 200))
+    assert fetch_rows(step.support.bits, np.array([1])).shape == (1, 10)

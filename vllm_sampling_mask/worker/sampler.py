@@ -31,12 +31,20 @@ class SamplingMaskCapture:
 
     def compact(self, processed_logits: torch.Tensor, top_k_np: np.ndarray) -> DeviceStepMasks:
         """``processed_logits`` ``[R, V]``; ``top_k_np`` ``[R]`` host-side per-request top_k."""
-        # vLLM stores "no top_k" as the vocabulary size, so the batch's largest top_k is an
-        # upper bound of every row's width except for boundary ties (handled by the bitmap).
+        # vLLM stores "no top_k" as the vocabulary size, so the batch's largest top_k bounds
+        # every row except for ties at the top-k boundary. Those are common (bf16 logits; an
+        # H200 engine at batch 256 had a row over top_k in 126 of 131 steps), and a row over
+        # the width is read from the bitmap, so the width leaves room for them.
         max_top_k = int(top_k_np.max()) if top_k_np.size else 1
-        width = max(1, min(max_top_k, processed_logits.shape[1], self.max_width))
+        width = max(1, min(max_top_k + tie_slack(max_top_k), processed_logits.shape[1],
+                           self.max_width))
         support = compact_support(processed_logits, width)
         return DeviceStepMasks(support, overflow_expected=max_top_k > width)
+
+
+def tie_slack(top_k: int) -> int:
+    """Extra width beyond ``top_k`` for ids tied with the k-th logit."""
+    return max(32, top_k // 4)
 
 
 def attach_capture(sampler: Any, vllm_config: Any) -> None:

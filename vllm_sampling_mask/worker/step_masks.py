@@ -45,6 +45,30 @@ class StepSamplingMasks:
         return end - start, self._blob[4 * start : 4 * end]
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def fetch_rows(bits: torch.Tensor, rows: np.ndarray) -> np.ndarray:
+    """``bits[rows]`` on the host, without waiting for work queued after ``bits`` was written.
+
+    Call only once the kernel that wrote ``bits`` finished (after the step's copy event). The
+    copy then runs on a side stream: on the current stream it would wait for the next step's
+    forward pass that async scheduling has already queued there, i.e. serialise the host with
+    the GPU (measured: -30% decode throughput with CUDA graphs when every step overflowed).
+    """
+    index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    if bits.device.type != "cuda":
+        return bits.index_select(0, index).numpy()
+    side = _SIDE_STREAMS.get(bits.device)
+    if side is None:
+        side = _SIDE_STREAMS[bits.device] = torch.cuda.Stream(bits.device)
+    with torch.cuda.stream(side):
+        selected = bits.index_select(0, index.to(bits.device, non_blocking=True))
+        host = selected.to("cpu", non_blocking=True)
+    side.synchronize()
+    return host.numpy()
+
+
 @dataclass
 class DeviceStepMasks:
     """One step's compaction on the device, kept alive until its host copy is consumed.
@@ -90,9 +114,8 @@ class HostStepMasks:
         if self.bits is not None:
             bits = self.bits.numpy()[overflow]
         else:
-            # Rare (top-k ties on the PyTorch top-k path): fetch only the overflowing rows.
-            index = torch.from_numpy(overflow).to(self.device.support.bits.device)
-            bits = self.device.support.bits.index_select(0, index).cpu().numpy()
+            # Rare (boundary ties wider than the width's slack): fetch only those rows.
+            bits = fetch_rows(self.device.support.bits, overflow)
         kept = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
         wide_rows = {int(r): np.flatnonzero(k).astype(np.int32) for r, k in zip(overflow, kept)}
         rows = [wide_rows[r] if r in wide_rows else ids[r, : counts[r]] for r in range(counts.size)]
