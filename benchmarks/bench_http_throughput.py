@@ -35,25 +35,21 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import http.client
 import importlib.metadata
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 # This script's directory is on sys.path.
-from http_smoke import Client, contract, free_port
+from http_smoke import Client, contract, free_port, running_server
 
 ENDPOINT = "/inference/v1/generate"
 DEFAULT_MODEL = "/root/models/qwen3-0.6b"
@@ -133,41 +129,6 @@ def serve_command(args: argparse.Namespace, model: str, port: int) -> list[str]:
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     return cmd + args.serve_arg
-
-
-@contextlib.contextmanager
-def running_server(cmd: list[str], env: dict[str, str], log_path: Path,
-                   startup_timeout: float) -> Iterator[Client]:
-    """``cmd`` in its own process group (output to ``log_path``) until ``/health`` answers;
-    SIGTERM to the group at exit (SIGKILL after 60 s)."""
-    port = int(cmd[cmd.index("--port") + 1])
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    client = Client("127.0.0.1", port)
-    deadline = time.monotonic() + startup_timeout
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log_path}")
-            try:
-                client.get("/health")
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve not healthy after {startup_timeout}s; see {log_path}")
-            time.sleep(1)
-        yield client
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 def request_bodies(args: argparse.Namespace, mode: str, concurrency: int, round_index: int,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import math
@@ -32,7 +33,8 @@ import time
 import traceback
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from vllm_sampling_mask.compact_format import decode_compact
@@ -288,6 +290,41 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def running_server(cmd: list[str], env: dict[str, str] | None, log_path: Path | str,
+                   startup_timeout: float) -> Iterator[Client]:
+    """``cmd`` in its own process group (output to ``log_path``) until ``/health`` answers;
+    SIGTERM to the group at exit (SIGKILL after 60 s)."""
+    port = int(cmd[cmd.index("--port") + 1])
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    client = Client("127.0.0.1", port)
+    deadline = time.monotonic() + startup_timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log_path}")
+            try:
+                client.get("/health")
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve not healthy after {startup_timeout}s; see {log_path}")
+            time.sleep(1)
+        yield client
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
@@ -309,50 +346,28 @@ def main() -> int:
            "--max-logprobs", str(max(64, args.top_k + 1)), *args.serve_arg]
     report: dict[str, Any] = {"model": args.model, "log": log_path}
     start = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    client = Client("127.0.0.1", port)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log_path}")
-            try:
-                client.get("/health")
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.perf_counter() - start > args.startup_timeout:
-                raise RuntimeError(f"vllm serve not healthy after {args.startup_timeout}s; see {log_path}")
-            time.sleep(1)
-        report["startup_seconds"] = round(time.perf_counter() - start, 1)
+        with running_server(cmd, None, log_path, args.startup_timeout) as client:
+            report["startup_seconds"] = round(time.perf_counter() - start, 1)
 
-        smoke = Smoke(client, args)
-        smoke.run("tito_full_and_logprobs", smoke.tito_full_and_logprobs)
-        smoke.run("tito_n2_final_only", smoke.tito_n2)
-        smoke.run("tito_stream_equals_full", smoke.tito_stream_equals_full)
-        smoke.run("tito_compact_equals_json", smoke.tito_compact_equals_json)
-        smoke.run("completions", lambda: smoke.openai("/v1/completions", smoke.completion, 4))
-        smoke.run("chat_completions", lambda: smoke.openai("/v1/chat/completions", smoke.chat, 2))
-        smoke.run("bad_requests_400", smoke.bad_requests)
-        smoke.run("dropped_streams_free_state", smoke.dropped_streams)
-        smoke.run("concurrent_batch", smoke.concurrent_batch)
-        report["checks"] = smoke.results
-        report["info"] = smoke.info
-        report["ok"] = all(v == "ok" for v in smoke.results.values())
-        with open(log_path, errors="replace") as log:
-            report["log_tracebacks"] = log.read().count("Traceback")
+            smoke = Smoke(client, args)
+            smoke.run("tito_full_and_logprobs", smoke.tito_full_and_logprobs)
+            smoke.run("tito_n2_final_only", smoke.tito_n2)
+            smoke.run("tito_stream_equals_full", smoke.tito_stream_equals_full)
+            smoke.run("tito_compact_equals_json", smoke.tito_compact_equals_json)
+            smoke.run("completions", lambda: smoke.openai("/v1/completions", smoke.completion, 4))
+            smoke.run("chat_completions", lambda: smoke.openai("/v1/chat/completions", smoke.chat, 2))
+            smoke.run("bad_requests_400", smoke.bad_requests)
+            smoke.run("dropped_streams_free_state", smoke.dropped_streams)
+            smoke.run("concurrent_batch", smoke.concurrent_batch)
+            report["checks"] = smoke.results
+            report["info"] = smoke.info
+            report["ok"] = all(v == "ok" for v in smoke.results.values())
+            with open(log_path, errors="replace") as log:
+                report["log_tracebacks"] = log.read().count("Traceback")
     except Exception as exc:  # noqa: BLE001
         report["ok"] = False
         report["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     line = json.dumps(report, separators=(",", ":"))
     if args.out:
         with open(args.out, "w") as f:

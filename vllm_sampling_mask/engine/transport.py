@@ -17,11 +17,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
 from vllm_sampling_mask.config import SamplingMaskConfig
+from vllm_sampling_mask.outputs import SamplingMask
 
 
 class SamplingMaskRows(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -40,18 +40,10 @@ class SamplingMaskRows(msgspec.Struct, array_like=True, gc=False):  # type: igno
 
 
 def decode_rows(chunks: list[SamplingMaskRows]) -> list[list[int]]:
-    """All rows of several chunks, in order, decoded in one pass (one ``tolist`` in all)."""
-    if len(chunks) == 1 and len(chunks[0].row_lengths) == 1:  # one token of one step: streaming
-        return [np.frombuffer(chunks[0].token_ids, dtype="<i4").tolist()]
-    lengths = [n for chunk in chunks for n in chunk.row_lengths]
-    if not lengths:
-        return []
-    flat = np.frombuffer(b"".join(chunk.token_ids for chunk in chunks), dtype="<i4").tolist()
-    rows, start = [], 0
-    for n in lengths:
-        rows.append(flat[start : start + n])
-        start += n
-    return rows
+    """All rows of several chunks, in order (decoded by ``SamplingMask``, one ``tolist``)."""
+    return SamplingMask.concat(
+        [SamplingMask.from_wire(chunk.row_lengths, chunk.token_ids) for chunk in chunks]
+    ).token_ids
 
 
 class EngineCoreOutputWithMask(
