@@ -11,6 +11,7 @@ non-streaming clients that time out) leave no per-request mask state (the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 from pathlib import Path
@@ -310,15 +311,32 @@ def _held(server: Server) -> tuple[float, float, float]:
     return metrics["vllm_sampling_mask:held_requests"], metrics["vllm_sampling_mask:held_rows"], in_flight
 
 
-def test_the_gauges_see_an_open_stream(server) -> None:
+def test_the_gauges_see_requests_in_flight(server) -> None:
+    # A stream hands its rows out with every chunk (DELTA), so between chunks its state holds a
+    # row list with no rows in it; a non-streaming request holds every row until it finishes.
     with server.client() as c, c.stream("POST", "/v1/completions", json={
             "prompt": "Hello", **SAMPLING, "max_tokens": DROP_MAX_TOKENS, "ignore_eos": True,
             "return_sampling_mask": True, "stream": True}) as response:
         lines = response.iter_lines()  # kept referenced: closing it would close the stream
         while not next(lines).startswith("data: "):
             pass
-        held_requests, held_rows, _ = _held(server)
-    assert held_requests >= 1 and held_rows >= 1
+        held_requests, _, _ = _held(server)
+    assert held_requests >= 1
+
+    body = {"prompt": "Hello", **SAMPLING, "max_tokens": DROP_MAX_TOKENS, "ignore_eos": True,
+            "return_sampling_mask": True}
+
+    def complete() -> int:
+        with server.client() as c:
+            return c.post("/v1/completions", json=body).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(complete) for _ in range(4)]
+        most_rows = 0.0
+        while not all(f.done() for f in futures):
+            most_rows = max(most_rows, _held(server)[1])
+        assert [f.result() for f in futures] == [200] * 4
+    assert most_rows >= 1
 
 
 def test_dropped_clients_leave_no_mask_state(server, client, vocab_size) -> None:

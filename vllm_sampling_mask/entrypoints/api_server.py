@@ -8,7 +8,8 @@ the request finishes, is aborted, or its client disconnects. On a server started
 ``vllm_sampling_mask:held_requests``
     request states that hold a row list (every in-flight request of a mask engine);
 ``vllm_sampling_mask:held_rows``
-    the mask rows they hold in total.
+    the mask rows they hold in total: every row so far of a non-streaming request, only the rows
+    not yet handed out of a streaming one (rows are dropped once a chunk carries them).
 
 Both return to 0 once no request is in flight; a value that stays above
 ``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` would be a leak. Not exported when
