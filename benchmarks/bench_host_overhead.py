@@ -10,7 +10,7 @@ with top_k ``--top-k``, through the same code the engine runs, each hop timed se
                        -> CSR rows; ``unpack_overflow``: the same with one row wider than W
                        (read from the copied bitmap);
 - ``scheduler``        engine core: the ``Scheduler.update_from_output`` wrapper, i.e.
-                       a ``SamplingMaskRows`` (``row_bytes``) for every request's output;
+                       the step's rows as bytes (``row_bytes``), one to every request's output;
 - ``encode``/``decode`` the ZMQ hop: vLLM's ``MsgpackEncoder`` / ``MsgpackDecoder`` of one
                        ``EngineCoreOutputs`` of R outputs with masks and, ``*_stock``, without
                        (vLLM's own types); ``*_extra`` is the difference;
@@ -142,7 +142,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from vllm_sampling_mask.engine.transport import (
         EngineCoreOutputsWithMasks,
         EngineCoreOutputWithMask,
-        SamplingMaskRows,
     )
 
     R, V, K = args.requests, args.vocab, args.top_k
@@ -197,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     wire_bytes = {"with_masks": sum(len(f) for f in frames_masks),
                   "stock": sum(len(f) for f in frames_stock)}
 
-    # (c) frontend: the plugin's process_outputs wrapper (to_lists + per-request accumulation)
+    # (c) frontend: the plugin's process_outputs wrapper (per-request accumulation)
     process = wrap_process_outputs(lambda self, outputs, *a, **k: None)
 
     def frontend_setup() -> Any:
@@ -219,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         states = []
         for i, (rid, tok) in enumerate(zip(request_ids, tokens)):
             held = RequestMaskRows()
-            held.append(SamplingMaskRows([K], step.row_bytes(i)[1]))
+            held.pending.append(step.row_bytes()[i])
             states.append(Stub(request_id=rid, completion=SimpleNamespace(token_ids=[tok]),
                                output_kind=RequestOutputKind.DELTA, sampling_mask_rows=held))
         return states

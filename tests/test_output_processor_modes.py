@@ -77,12 +77,14 @@ class FakeEngineCore:
         finish_reason: FinishReason | None = None,
         stop_reason: int | str | None = None,
     ) -> EngineCoreOutputWithMask:
-        rows = []
-        for token in tokens:
-            rows.append(self.row(request_id, token))
-            self.sent_rows[request_id].append(rows[-1])
+        """One step's output: at most one token, so at most one row (as the scheduler sends)."""
+        assert len(tokens) <= 1, "an engine step delivers one token per request"
+        row = None
+        if tokens:
+            row = self.row(request_id, tokens[0])
+            self.sent_rows[request_id].append(row)
         return engine_core_output(
-            request_id, tokens, rows if self.with_masks else None,
+            request_id, tokens, row if self.with_masks else None,
             finish_reason=finish_reason, stop_reason=stop_reason,
         )
 
@@ -124,6 +126,16 @@ def process(processor: OutputProcessor, *outputs: EngineCoreOutputWithMask) -> l
     return processor.process_outputs(list(outputs)).request_outputs
 
 
+def feed(processor: OutputProcessor, engine: FakeEngineCore, request_id: str, tokens: Sequence[int],
+         finish_reason: FinishReason | None = None) -> list[RequestOutput]:
+    """One step per token (the last one finishing with ``finish_reason``); all outputs."""
+    outputs = []
+    for i, token in enumerate(tokens):
+        finish = finish_reason if i == len(tokens) - 1 else None
+        outputs += process(processor, engine.output(request_id, [token], finish))
+    return outputs
+
+
 def only_completion(outputs: list[RequestOutput]) -> CompletionOutput:
     (output,) = outputs
     (completion,) = output.outputs
@@ -142,12 +154,11 @@ def assert_aligned(completion: CompletionOutput) -> None:
 
 
 def test_final_only_returns_all_rows_once(tokenizer: TokenizerLike, text_tokens: list[int]) -> None:
-    """FINAL_ONLY: nothing until the request finishes, then one output with every row, in order
-    (including a step that delivered two tokens with two rows)."""
+    """FINAL_ONLY: nothing until the request finishes, then one output with every row, in order."""
     processor, engine = make_processor(tokenizer), FakeEngineCore()
     add(processor, "a", FINAL_ONLY)
     assert process(processor, engine.output("a", text_tokens[0:1])) == []
-    assert process(processor, engine.output("a", text_tokens[1:3])) == []
+    assert feed(processor, engine, "a", text_tokens[1:3]) == []
     final = only_completion(process(
         processor, engine.output("a", text_tokens[3:4], FinishReason.LENGTH)
     ))
@@ -165,8 +176,8 @@ def test_cumulative_outputs_carry_all_rows_so_far(
     it is produced: vLLM's CUMULATIVE ``token_ids`` is the detokenizer's live list)."""
     processor, engine = make_processor(tokenizer), FakeEngineCore()
     add(processor, "a", CUMULATIVE)
-    steps = [(text_tokens[i:i + 1], None) for i in range(4)]
-    steps.append((text_tokens[4:6], FinishReason.STOP))
+    steps = [(text_tokens[i:i + 1], None) for i in range(5)]
+    steps.append((text_tokens[5:6], FinishReason.STOP))
     sent = 0
     for tokens, finish in steps:
         completion = only_completion(process(processor, engine.output("a", tokens, finish)))
@@ -185,7 +196,7 @@ def test_held_cumulative_output_stays_aligned(
     processor, engine = make_processor(tokenizer), FakeEngineCore()
     add(processor, "a", CUMULATIVE)
     held = only_completion(process(processor, engine.output("a", text_tokens[:1])))
-    process(processor, engine.output("a", text_tokens[1:3]))
+    feed(processor, engine, "a", text_tokens[1:3])
     assert len(held.sampling_mask.token_ids) == len(held.token_ids)
 
 
@@ -196,7 +207,7 @@ def test_delta_outputs_carry_only_their_rows(
     deltas' masks is every row."""
     processor, engine = make_processor(tokenizer), FakeEngineCore()
     add(processor, "a", DELTA)
-    sizes = [1, 2, 1, 3]
+    sizes = [1] * 7  # one token per step (several per output: the stream_interval test)
     deltas, start = [], 0
     for i, size in enumerate(sizes):
         finish = FinishReason.LENGTH if i == len(sizes) - 1 else None
@@ -234,8 +245,7 @@ def test_delta_collector_merges_masks_like_token_ids(
     assert list(merged.token_ids) == text_tokens[:3]
     assert merged.sampling_mask.token_ids == engine.sent_rows["a"][:3]
 
-    process(processor, engine.output("a", text_tokens[3:5]))
-    process(processor, engine.output("a", text_tokens[5:6], FinishReason.LENGTH))
+    feed(processor, engine, "a", text_tokens[3:6], FinishReason.LENGTH)
     last = collector.get_nowait()
     assert last.finished
     assert list(last.outputs[0].token_ids) == text_tokens[3:6]
@@ -267,9 +277,10 @@ def test_n2_children_each_carry_their_own_mask(
     first, second = add_children(processor, "p", kind)
     a, b = text_tokens[0:3], text_tokens[5:8]
 
-    outputs = process(processor, engine.output(first, a[:1]), engine.output(second, b[:2]))
-    outputs += process(processor, engine.output(first, a[1:], FinishReason.LENGTH))
-    outputs += process(processor, engine.output(second, b[2:], FinishReason.LENGTH))
+    outputs = process(processor, engine.output(first, a[:1]), engine.output(second, b[:1]))
+    outputs += process(processor, engine.output(second, b[1:2]))
+    outputs += feed(processor, engine, first, a[1:], FinishReason.LENGTH)
+    outputs += feed(processor, engine, second, b[2:], FinishReason.LENGTH)
 
     completions: dict[int, list[CompletionOutput]] = {0: [], 1: []}
     for output in outputs:
@@ -297,9 +308,9 @@ def test_n2_delta_collector_merges_each_childs_mask(
     child_ids = add_children(processor, "p", DELTA, queue=collector)
     first, second = child_ids
     process(processor, engine.output(second, text_tokens[5:6]))  # index 1 arrives first
-    process(processor, engine.output(first, text_tokens[0:2]),
+    process(processor, engine.output(first, text_tokens[0:1]),
             engine.output(second, text_tokens[6:7]))
-    process(processor, engine.output(first, text_tokens[2:3]))
+    feed(processor, engine, first, text_tokens[1:3])
 
     merged = collector.get_nowait()
     by_index = {c.index: c for c in merged.outputs}

@@ -17,42 +17,41 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason, co
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from vllm_builders import engine_core_output, mask_rows
+from vllm_builders import engine_core_output, mask_row
 from vllm_sampling_mask.engine.transport import (
     EngineCoreOutputsWithMasks,
     EngineCoreOutputWithMask,
-    SamplingMaskRows,
     check_client_decoder,
     outputs_carry_masks,
+    row_mask,
+    rows_mask,
 )
 from vllm_sampling_mask.patching import original_of
 
 TIMESTAMP = 123.25  # EngineCoreOutputs stamps time.monotonic() unless given one
 INT32_MAX = 2**31 - 1
 
-MASKS: dict[str, list[list[int]] | None] = {
+MASKS: dict[str, list[int] | None] = {  # one row per output: one new token per step
     "no_mask": None,
-    "empty_row": [[]],
-    "one_id": [[7]],
-    "large_row": [list(range(0, 3 * 65_536, 3))],  # 65,536 ids, 256 KiB on the wire
-    "near_int32_max": [[0, 1, INT32_MAX - 2, INT32_MAX - 1, INT32_MAX]],
-    "several_rows": [[3, 9], [], [INT32_MAX], list(range(100, 164))],
+    "empty_row": [],
+    "one_id": [7],
+    "large_row": list(range(0, 3 * 65_536, 3)),  # 65,536 ids, 256 KiB on the wire
+    "near_int32_max": [0, 1, INT32_MAX - 2, INT32_MAX - 1, INT32_MAX],
 }
 
 
 # --------------------------------------------------------------------------- builders
 
 
-def outputs_with(masks: dict[str, list[list[int]] | None]) -> EngineCoreOutputs:
+def outputs_with(masks: dict[str, list[int] | None]) -> EngineCoreOutputs:
     """One ``EngineCoreOutputWithMask`` per entry, as vLLM's scheduler builds the batch."""
     outputs = []
-    for i, (request_id, rows) in enumerate(masks.items()):
-        n = 1 if rows is None else len(rows)
+    for i, (request_id, row) in enumerate(masks.items()):
         finished = i % 2 == 1
         outputs.append(engine_core_output(
             request_id,
-            [100 + i + k for k in range(n)],
-            rows,
+            [100 + i],
+            row,
             finish_reason=FinishReason.STOP if finished else None,
             stop_reason=42 if finished else None,
         ))
@@ -101,31 +100,31 @@ def test_plugin_rebinds_scheduler_and_client_types() -> None:
 
 
 def test_patched_client_decoder_keeps_every_mask_exactly() -> None:
-    """Round trip with the client's binding: rows of 0, 1 and 65,536 ids, ids up to 2**31-1 and
-    several rows per output come back bit-exact; outputs without masks stay without."""
+    """Round trip with the client's binding: rows of 0, 1 and 65,536 ids and ids up to 2**31-1
+    come back bit-exact; outputs without masks stay without."""
     sent = outputs_with(MASKS)
     received = round_trip(sent, core_client.EngineCoreOutputs)
 
     assert isinstance(received, EngineCoreOutputsWithMasks)
     assert [type(o) for o in received.outputs] == [EngineCoreOutputWithMask] * len(MASKS)
     assert received.outputs == sent.outputs  # every field, masks included
-    for output, rows in zip(received.outputs, MASKS.values()):
-        if rows is None:
+    for output, row in zip(received.outputs, MASKS.values()):
+        if row is None:
             assert output.sampling_mask is None
         else:
-            assert output.sampling_mask.to_lists() == rows
+            assert row_mask(output.sampling_mask).token_ids == [row]
 
 
 def test_masks_survive_out_of_band_buffers() -> None:
     """A mask behind large logprobs (numpy arrays sent as separate zero-copy buffers) decodes
     exactly, and the logprobs still do too."""
-    output = engine_core_output("r", [5, 6], [[5, 9], [1, 6, INT32_MAX]])
-    output.new_logprobs = logprobs(num_tokens=2, width=64)
+    output = engine_core_output("r", [6], [1, 6, INT32_MAX])
+    output.new_logprobs = logprobs(num_tokens=1, width=128)
     sent = EngineCoreOutputs(outputs=[output], timestamp=TIMESTAMP)
     assert len(MsgpackEncoder().encode(sent)) > 1  # really out of band
 
     received = round_trip(sent, core_client.EngineCoreOutputs).outputs[0]
-    assert received.sampling_mask.to_lists() == [[5, 9], [1, 6, INT32_MAX]]
+    assert row_mask(received.sampling_mask).token_ids == [[1, 6, INT32_MAX]]
     np.testing.assert_array_equal(received.new_logprobs.logprob_token_ids,
                                   output.new_logprobs.logprob_token_ids)
 
@@ -194,12 +193,13 @@ def test_subclass_without_mask_decodes_like_vllms(extra: dict[str, Any]) -> None
 
 
 def test_with_mask_the_wire_adds_one_trailing_element() -> None:
-    """With a mask, the output's array is vLLM's full field list plus one element (the rows)."""
-    output = engine_core_output("r", [1], [[1, 4]])
+    """With a mask, the output's array is vLLM's full field list plus one element: the row's
+    int32 bytes."""
+    output = engine_core_output("r", [1], [1, 4])
     raw = msgspec.msgpack.decode(encoded_bytes(EngineCoreOutputs(outputs=[output]))[0])
     (array,) = raw[1]  # EngineCoreOutputs field 1: outputs
     assert len(array) == len(msgspec.structs.fields(EngineCoreOutput)) + 1
-    assert array[-1] == [[2], np.asarray([1, 4], dtype="<i4").tobytes()]
+    assert array[-1] == np.asarray([1, 4], dtype="<i4").tobytes() == mask_row([1, 4])
 
 
 def test_check_client_decoder_passes_with_the_patch() -> None:
@@ -222,11 +222,11 @@ def test_check_client_decoder_fails_when_the_binding_is_reverted(
 
 @pytest.mark.parametrize("rows", [[[]], [[], []], [[1, 2], [], [3]], [[INT32_MAX]]],
                          ids=["one_empty", "two_empty", "mixed", "int32_max"])
-def test_rows_to_lists_round_trip(rows: Sequence[Sequence[int]]) -> None:
-    """``SamplingMaskRows.to_lists`` inverts the row encoding, empty rows included."""
-    assert mask_rows(rows).to_lists() == [list(r) for r in rows]
+def test_wire_rows_round_trip(rows: Sequence[Sequence[int]]) -> None:
+    """``rows_mask`` of the rows' wire bytes gives the rows back, empty rows included."""
+    assert rows_mask([mask_row(r) for r in rows]).token_ids == [list(r) for r in rows]
+    assert row_mask(mask_row(rows[0])).token_ids == [list(rows[0])]
 
 
 def test_zero_rows_decode_to_no_rows() -> None:
-    """A ``SamplingMaskRows`` with no rows decodes to no rows."""
-    assert SamplingMaskRows([], b"").to_lists() == []
+    assert rows_mask([]).token_ids == []

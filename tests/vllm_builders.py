@@ -14,7 +14,7 @@ import numpy as np
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreRequest, FinishReason
 
-from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, SamplingMaskRows
+from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask
 
 EOS_TOKEN_ID = 0
 """The tiny model's ``<|endoftext|>`` id (its config's ``eos_token_id``)."""
@@ -57,25 +57,24 @@ def engine_core_request(
     )
 
 
-def mask_rows(rows: Sequence[Sequence[int]]) -> SamplingMaskRows:
-    """The wire form of ``rows`` (one row per new token), as the scheduler would build it."""
-    flat = np.asarray([i for row in rows for i in row], dtype="<i4")
-    return SamplingMaskRows([len(row) for row in rows], flat.tobytes())
+def mask_row(row: Sequence[int]) -> bytes:
+    """The wire form of one token's row, as the scheduler builds it."""
+    return np.asarray(row, dtype="<i4").tobytes()
 
 
 def engine_core_output(
     request_id: str,
     new_token_ids: Sequence[int],
-    rows: Sequence[Sequence[int]] | None = None,
+    row: Sequence[int] | None = None,
     *,
     finish_reason: FinishReason | None = None,
     stop_reason: int | str | None = None,
 ) -> EngineCoreOutputWithMask:
-    """An engine-core output for ``new_token_ids``; ``rows`` (if given) is its mask."""
+    """An engine-core output for ``new_token_ids``; ``row`` (if given) is its one token's mask."""
     return EngineCoreOutputWithMask(
         request_id=request_id,
         new_token_ids=list(new_token_ids),
         finish_reason=finish_reason,
         stop_reason=stop_reason,
-        sampling_mask=None if rows is None else mask_rows(rows),
+        sampling_mask=None if row is None else mask_row(row),
     )

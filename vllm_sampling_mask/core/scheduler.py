@@ -13,7 +13,7 @@ import functools
 from typing import Any
 
 from vllm_sampling_mask.config import SamplingMaskConfig
-from vllm_sampling_mask.engine.transport import SamplingMaskRows, outputs_carry_masks
+from vllm_sampling_mask.engine.transport import outputs_carry_masks
 
 
 def wrap_init(original: Any) -> Any:
@@ -34,7 +34,8 @@ def wrap_init(original: Any) -> Any:
 
 
 def wrap_update_from_output(original: Any) -> Any:
-    """``Scheduler.update_from_output`` plus ``EngineCoreOutput.sampling_mask`` per request."""
+    """``Scheduler.update_from_output`` plus ``EngineCoreOutput.sampling_mask`` (the row's
+    bytes) for every output with a new token."""
 
     @functools.wraps(original)
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -44,7 +45,7 @@ def wrap_update_from_output(original: Any) -> Any:
             outputs = original(self, scheduler_output, model_runner_output)
         step = getattr(model_runner_output, "sampling_masks", None)
         index = model_runner_output.req_id_to_index
-        row_bytes = None if step is None else step.row_bytes
+        row_bytes = None if step is None else step.row_bytes()
         for engine_core_outputs in outputs.values():
             for output in engine_core_outputs.outputs:
                 num_new = len(output.new_token_ids)
@@ -56,8 +57,7 @@ def wrap_update_from_output(original: Any) -> Any:
                         f"{num_new} token(s) but {'no masks' if step is None else 'one row'}. "
                         "This is a bug in vllm-sampling-mask; please report it."
                     )
-                length, blob = row_bytes(index[output.request_id])
-                output.sampling_mask = SamplingMaskRows([length], blob)
+                output.sampling_mask = row_bytes[index[output.request_id]]
         return outputs
 
     return update_from_output

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vllm_sampling_mask.engine.transport import SamplingMaskRows, decode_rows
+from vllm_sampling_mask.engine.transport import rows_mask
 from vllm_sampling_mask.outputs import SamplingMask
 
 _ROWS_ATTR = "sampling_mask_rows"
@@ -21,50 +21,41 @@ _ENABLED_ATTR = "sampling_mask_enabled"
 
 
 class RequestMaskRows:
-    """One request's rows: decoded rows plus step chunks not decoded yet.
+    """One request's rows: decoded rows, then rows still as the int32 bytes they came in.
 
-    Chunks are decoded only when an output needs Python lists (CUMULATIVE outputs, every step);
-    FINAL_ONLY and DELTA outputs get a ``SamplingMask`` over the chunks' bytes, decoded on the
-    user's first access of ``token_ids``, so the per-step frontend work is an append. DELTA
+    Rows are decoded only when an output needs Python lists (CUMULATIVE outputs, every step);
+    FINAL_ONLY and DELTA outputs get a ``SamplingMask`` over the rows' bytes, decoded on the
+    user's first access of ``token_ids``, so the per-step frontend work is a list append. DELTA
     hands each row out once, so its rows are dropped when handed out.
     """
 
-    __slots__ = ("rows", "_pending", "_num_pending")
+    __slots__ = ("rows", "pending")
 
     def __init__(self) -> None:
         self.rows: list[list[int]] = []
-        self._pending: list[SamplingMaskRows] = []
-        self._num_pending = 0  # rows in _pending
-
-    def append(self, chunk: SamplingMaskRows) -> None:
-        self._pending.append(chunk)
-        self._num_pending += len(chunk.row_lengths)
+        self.pending: list[bytes] = []  # one wire row (little-endian int32 ids) per token
 
     def __len__(self) -> int:
-        return len(self.rows) + self._num_pending
+        return len(self.rows) + len(self.pending)
 
     def materialized(self) -> list[list[int]]:
         """All rows so far (the same list object every call: it only grows)."""
-        if self._pending:
-            self.rows.extend(decode_rows(self._pending))
-            self._pending.clear()
-            self._num_pending = 0
+        if self.pending:
+            self.rows.extend(rows_mask(self.pending).token_ids)
+            self.pending.clear()
         return self.rows
 
     def take_last(self, num_rows: int) -> SamplingMask:
         """The last ``num_rows`` rows, undecoded; every row held is dropped (DELTA and
         FINAL_ONLY outputs, which never call ``materialized``).
 
-        Requires ``num_rows <= len(self)``.
+        Requires ``num_rows <= len(self.pending)``.
         """
-        pending, held = self._pending, self._num_pending
-        self._pending, self._num_pending = [], 0
-        if held == num_rows and len(pending) == 1:  # the streaming case
-            return SamplingMask.from_wire(pending[0].row_lengths, pending[0].token_ids)
-        lengths = [n for chunk in pending for n in chunk.row_lengths]
-        skip = held - num_rows
-        blob = b"".join(chunk.token_ids for chunk in pending)
-        return SamplingMask.from_wire(lengths[skip:], blob[4 * sum(lengths[:skip]):])
+        pending, self.pending = self.pending, []
+        if len(pending) == num_rows == 1:  # the streaming case, every step: keep it short
+            row = pending[0]
+            return SamplingMask.from_wire([len(row) >> 2], row)
+        return rows_mask(pending[len(pending) - num_rows:])
 
 
 def wrap_add_request(original: Any) -> Any:
@@ -89,8 +80,8 @@ def wrap_process_outputs(original: Any) -> Any:
         if self.__dict__.get(_ENABLED_ATTR):
             states = self.request_states
             for output in engine_core_outputs:
-                rows = getattr(output, "sampling_mask", None)
-                if rows is None:
+                row = getattr(output, "sampling_mask", None)
+                if row is None:
                     continue
                 state = states.get(output.request_id)
                 if state is None:
@@ -98,7 +89,7 @@ def wrap_process_outputs(original: Any) -> Any:
                 holder = state.__dict__.get(_ROWS_ATTR)
                 if holder is None:
                     holder = state.__dict__[_ROWS_ATTR] = RequestMaskRows()
-                holder.append(rows)
+                holder.pending.append(row)
         return original(self, engine_core_outputs, *args, **kwargs)
 
     return process_outputs

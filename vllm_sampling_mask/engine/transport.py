@@ -16,42 +16,35 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgspec
-
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
 from vllm_sampling_mask.config import SamplingMaskConfig
 from vllm_sampling_mask.outputs import SamplingMask
 
 
-class SamplingMaskRows(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
-    """The mask rows of one request's new tokens in one step.
-
-    row_lengths: ``[num_new_tokens]`` kept-id counts.
-    token_ids:   the rows concatenated, little-endian int32 bytes.
-    """
-
-    row_lengths: list[int]
-    token_ids: bytes
-
-    def to_lists(self) -> list[list[int]]:
-        """The rows as ``list[list[int]]`` (one per token)."""
-        return decode_rows([self])
+def row_mask(row: bytes) -> SamplingMask:
+    """The ``SamplingMask`` of one wire row (undecoded)."""
+    return SamplingMask.from_wire([len(row) >> 2], row)
 
 
-def decode_rows(chunks: list[SamplingMaskRows]) -> list[list[int]]:
-    """All rows of several chunks, in order (decoded by ``SamplingMask``, one ``tolist``)."""
-    return SamplingMask.concat(
-        [SamplingMask.from_wire(chunk.row_lengths, chunk.token_ids) for chunk in chunks]
-    ).token_ids
+def rows_mask(rows: list[bytes]) -> SamplingMask:
+    """The ``SamplingMask`` of several wire rows, in order (undecoded)."""
+    if len(rows) == 1:
+        return row_mask(rows[0])
+    return SamplingMask.from_wire([len(row) >> 2 for row in rows], b"".join(rows))
 
 
 class EngineCoreOutputWithMask(
     EngineCoreOutput, array_like=True, omit_defaults=True, gc=False  # type: ignore[call-arg]
 ):
-    """``EngineCoreOutput`` plus the mask rows of its ``new_token_ids``."""
+    """``EngineCoreOutput`` plus the mask row of its one new token.
 
-    sampling_mask: SamplingMaskRows | None = None
+    sampling_mask: the token's kept ids, ascending, as little-endian int32 bytes (``4 * n``
+    bytes for ``n`` ids). One row, because an output carries at most one new token per step
+    (speculative decoding is refused at start); outputs without a new token carry ``None``.
+    """
+
+    sampling_mask: bytes | None = None
 
 
 class EngineCoreOutputsWithMasks(
@@ -100,7 +93,7 @@ def check_client_decoder() -> None:
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     probe = EngineCoreOutputs(
-        outputs=[EngineCoreOutputWithMask("probe", [7], sampling_mask=SamplingMaskRows([1], b"\7\0\0\0"))]
+        outputs=[EngineCoreOutputWithMask("probe", [7], sampling_mask=b"\7\0\0\0")]
     )
     decoded = MsgpackDecoder(core_client.EngineCoreOutputs).decode(MsgpackEncoder().encode(probe))
     if getattr(decoded.outputs[0], "sampling_mask", None) != probe.outputs[0].sampling_mask:

@@ -22,8 +22,7 @@ class StepSamplingMasks:
     row_lengths: np.ndarray
     token_ids: np.ndarray
     offsets: np.ndarray
-    _blob: bytes | None = None
-    _offsets_list: list[int] | None = None
+    _row_bytes: list[bytes] | None = None
 
     @classmethod
     def from_lengths(cls, row_lengths: np.ndarray, token_ids: np.ndarray) -> StepSamplingMasks:
@@ -35,14 +34,14 @@ class StepSamplingMasks:
         """``[row_lengths[index]]`` int32 view of one row."""
         return self.token_ids[self.offsets[index] : self.offsets[index + 1]]
 
-    def row_bytes(self, index: int) -> tuple[int, bytes]:
-        """``(length, little-endian int32 bytes)`` of one row; the step is serialised once and
-        each request takes a slice (the engine core calls this for every request every step)."""
-        if self._blob is None:
-            self._blob = self.token_ids.astype("<i4", copy=False).tobytes()
-            self._offsets_list = self.offsets.tolist()
-        start, end = self._offsets_list[index], self._offsets_list[index + 1]
-        return end - start, self._blob[4 * start : 4 * end]
+    def row_bytes(self) -> list[bytes]:
+        """Every row as little-endian int32 bytes (the wire format of one output's row), built
+        once per step: the engine core hands one to every request every step."""
+        if self._row_bytes is None:
+            blob = self.token_ids.astype("<i4", copy=False).tobytes()
+            bounds = (4 * self.offsets).tolist()
+            self._row_bytes = [blob[a:b] for a, b in zip(bounds, bounds[1:])]
+        return self._row_bytes
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
