@@ -15,15 +15,12 @@ from typing import Any
 
 from vllm_sampling_mask.entrypoints.mask_fields import RETURN_FIELD, MaskFieldError, parse_mask_options
 from vllm_sampling_mask.entrypoints.serving import (
-    Arguments,
-    LastItem,
     bad_request,
     current_options,
     engine_masks_enabled,
-    error_before_stream,
-    observe,
-    request_options,
+    response_and_final_output,
     rows_of,
+    serve_with_options,
 )
 
 
@@ -46,11 +43,7 @@ def wrap_create_chat_completion(original: Any) -> Any:
                 _check_request(self, request)
         except MaskFieldError as exc:
             return bad_request(self, exc)
-        if not options.enabled:
-            return await original(self, request, *args, **kwargs)
-        with request_options(options):
-            result = await original(self, request, *args, **kwargs)
-        return await error_before_stream(self, result)
+        return await serve_with_options(options, original, self, request, *args, **kwargs)
 
     return create_chat_completion
 
@@ -63,13 +56,10 @@ def wrap_chat_completion_full_generator(original: Any) -> Any:
         options = current_options()
         if not options.enabled:
             return await original(self, *args, **kwargs)
-        call = Arguments(original, (self, *args), kwargs)
-        final = LastItem()
-        call["result_generator"] = observe(call["result_generator"], final)
-        response = await call.call(original)
-        if final.item is None or not hasattr(response, "choices"):
+        response, final = await response_and_final_output(original, self, args, kwargs)
+        if final is None or not hasattr(response, "choices"):
             return response  # an ErrorResponse
-        outputs = {output.index: output for output in final.item.outputs}
+        outputs = {output.index: output for output in final.outputs}
         for choice in response.choices:
             output = outputs[choice.index]
             choice.token_ids = list(output.token_ids)

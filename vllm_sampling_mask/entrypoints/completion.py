@@ -18,10 +18,9 @@ from vllm_sampling_mask.entrypoints.serving import (
     bad_request,
     current_options,
     engine_masks_enabled,
-    error_before_stream,
     observe,
-    request_options,
     rows_of,
+    serve_with_options,
 )
 from vllm_sampling_mask.entrypoints.sse import StreamMasks
 
@@ -35,11 +34,7 @@ def wrap_create_completion(original: Any) -> Any:
             options = parse_mask_options(request.model_extra, engine_enabled=engine_masks_enabled(self))
         except MaskFieldError as exc:
             return bad_request(self, exc)
-        if not options.enabled:
-            return await original(self, request, *args, **kwargs)
-        with request_options(options):
-            result = await original(self, request, *args, **kwargs)
-        return await error_before_stream(self, result)
+        return await serve_with_options(options, original, self, request, *args, **kwargs)
 
     return create_completion
 

@@ -73,6 +73,28 @@ def bad_request(serving: Any, exc: Any) -> Any:
     return serving.create_error_response(str(exc), param=exc.parameter)
 
 
+async def serve_with_options(options: MaskOptions, original: Callable[..., Any], serving: Any,
+                             *args: Any, **kwargs: Any) -> Any:
+    """Await an entry method (``create_*``, ``serve_tokens``) with the request's mask options
+    current; a request without masks gets vLLM's call untouched."""
+    if not options.enabled:
+        return await original(serving, *args, **kwargs)
+    with request_options(options):
+        result = await original(serving, *args, **kwargs)
+    return await error_before_stream(serving, result)
+
+
+async def response_and_final_output(original: Callable[..., Any], serving: Any,
+                                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """Await a full (non-streaming) generator method; also return the last ``RequestOutput``
+    its ``result_generator`` yielded (``None`` if none: the response is then an error)."""
+    call = Arguments(original, (serving, *args), kwargs)
+    final = LastItem()
+    call["result_generator"] = observe(call["result_generator"], final)
+    response = await call.call(original)
+    return response, final.item
+
+
 async def observe(source: AsyncIterator[Any], seen: Callable[[Any], None]) -> AsyncGenerator[Any, None]:
     """Yield every item of ``source`` after passing it to ``seen``; closing this closes ``source``."""
     try:

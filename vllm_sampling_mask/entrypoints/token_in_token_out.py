@@ -26,15 +26,12 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
 
 from vllm_sampling_mask.entrypoints.mask_fields import MaskFieldError, parse_mask_options
 from vllm_sampling_mask.entrypoints.serving import (
-    Arguments,
-    LastItem,
     bad_request,
     current_options,
     engine_masks_enabled,
-    error_before_stream,
-    observe,
-    request_options,
+    response_and_final_output,
     rows_of,
+    serve_with_options,
 )
 
 
@@ -90,11 +87,8 @@ def wrap_serve_tokens(original: Any) -> Any:
                                          default_enabled=enabled)
         except MaskFieldError as exc:
             return bad_request(self, exc)
-        if not options.enabled:
-            return await original(self, request, raw_request, *args, **kwargs)
-        with request_options(options):
-            result = await original(self, request, raw_request, *args, **kwargs)
-        return await error_before_stream(self, result)
+        return await serve_with_options(options, original, self, request, raw_request, *args,
+                                        **kwargs)
 
     return serve_tokens
 
@@ -107,12 +101,9 @@ def wrap_serve_tokens_full_generator(original: Any) -> Any:
         options = current_options()
         if not options.enabled:
             return await original(self, *args, **kwargs)
-        call = Arguments(original, (self, *args), kwargs)
-        final = LastItem()
-        call["result_generator"] = observe(call["result_generator"], final)
-        response = await call.call(original)
-        if final.item is None or not isinstance(response, GenerateResponse):
+        response, final = await response_and_final_output(original, self, args, kwargs)
+        if final is None or not isinstance(response, GenerateResponse):
             return response  # an ErrorResponse
-        return with_masks(response, {o.index: o for o in final.item.outputs}, options)
+        return with_masks(response, {o.index: o for o in final.outputs}, options)
 
     return serve_tokens_full_generator
