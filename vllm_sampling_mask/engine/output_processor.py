@@ -52,10 +52,7 @@ class RequestMaskRows:
         Requires ``num_rows <= len(self.pending)``.
         """
         pending, self.pending = self.pending, []
-        if len(pending) == num_rows == 1:  # the streaming case, every step: keep it short
-            row = pending[0]
-            return SamplingMask.from_wire([len(row) >> 2], row)
-        return rows_mask(pending[len(pending) - num_rows:])
+        return rows_mask(pending if len(pending) == num_rows else pending[len(pending) - num_rows:])
 
 
 def wrap_add_request(original: Any) -> Any:
