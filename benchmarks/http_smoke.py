@@ -23,10 +23,6 @@ import contextlib
 import http.client
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_sampling_mask.compact_format import decode_compact
+
+try:
+    from vllm_sampling_mask_testing.serve import free_port, serve_process
+except ImportError:  # the support package is not installed (e.g. on the GPU machine)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    from vllm_sampling_mask_testing.serve import free_port, serve_process
 
 PROMPT_IDS = [100, 200, 300, 400, 500, 600, 700, 800, 900, 999]  # in any vocabulary
 
@@ -284,45 +286,22 @@ class Smoke:
         return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(cmd: list[str], env: dict[str, str] | None, log_path: Path | str,
                    startup_timeout: float) -> Iterator[Client]:
-    """``cmd`` in its own process group (output to ``log_path``) until ``/health`` answers;
-    SIGTERM to the group at exit (SIGKILL after 60 s)."""
-    port = int(cmd[cmd.index("--port") + 1])
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    client = Client("127.0.0.1", port)
-    deadline = time.monotonic() + startup_timeout
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log_path}")
-            try:
-                client.get("/health")
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve not healthy after {startup_timeout}s; see {log_path}")
-            time.sleep(1)
-        yield client
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+    """``cmd`` (a ``vllm serve ... --port P``) in its own process group, output to
+    ``log_path``, until ``/health`` answers; stopped at exit."""
+    client = Client("127.0.0.1", int(cmd[cmd.index("--port") + 1]))
+
+    def healthy() -> bool:
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+            client.get("/health")
+            return True
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return False
+
+    with serve_process(cmd, env, Path(log_path), healthy, startup_timeout):
+        yield client
 
 
 def main() -> int:

@@ -10,18 +10,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from vllm_sampling_mask_testing.serve import free_port, serve_process
 
 EXTERNAL_URL_ENV = "SAMPLING_MASK_TEST_SERVER_URL"
 MASK_FLAGS = ("--return-sampling-mask", "--logprobs-mode", "processed_logprobs")
@@ -51,12 +49,6 @@ class Server:
         return values
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(model: str, env: dict[str, str], extra_args: tuple[str, ...] = (),
                    start_timeout: float = 900.0) -> Iterator[Server]:
@@ -65,36 +57,22 @@ def running_server(model: str, env: dict[str, str], extra_args: tuple[str, ...] 
     if external:
         yield Server(external.rstrip("/"), None)
         return
-    port = _free_port()
+    port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
            "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
            "--max-model-len", "512", "--max-num-seqs", "8", *extra_args]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", log_path)
+
+    def healthy() -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        return False
+
     try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{server.log()[-6000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve not healthy after {start_timeout}s:\n{server.log()[-6000:]}")
-            time.sleep(1)
-        yield server
+        with serve_process(cmd, env, log_path, healthy, start_timeout, stop_timeout=30):
+            yield server
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
         log_path.unlink(missing_ok=True)  # a failed start put its tail in the exception
 
 
