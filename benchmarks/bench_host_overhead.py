@@ -6,6 +6,9 @@ with top_k ``--top-k``, through the same code the engine runs, each hop timed se
     python benchmarks/bench_host_overhead.py --out bench_out/host_overhead.json   # 512 x 151936
     python benchmarks/bench_host_overhead.py --small                              # smoke (seconds)
 
+- ``launch``           worker, only where CUDA is available: the host side of the sampler's
+                       ``compact_support`` on ``[R, V]`` fp32 CUDA logits (argument checks,
+                       output allocations, the two Triton launches), in the engine-core total;
 - ``unpack``           worker: ``HostStepMasks.unpack``, the copied ``[R, 1 + W]`` counts + ids
                        -> CSR rows; ``unpack_overflow``: the same with one row wider than W
                        (read from the copied bitmap);
@@ -161,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         results[name] = measure(run, setup, args.warmup, args.reps)
 
     # (a) worker
+    launch = cuda_launch_timer(R, V, K)
+    if launch is not None:
+        timed("launch", *launch)
     timed("unpack", lambda _: host.unpack(num_sampled))
     timed("unpack_overflow", lambda _: host_wide.unpack(num_sampled))
 
@@ -237,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     ms = {name: r["cpu_ms"] for name, r in results.items()}  # read_* are the consumer's
     per_step = {
+        **({"launch": ms["launch"]} if "launch" in ms else {}),
         "unpack": ms["unpack"],
         "scheduler": ms["scheduler"],
         "encode_extra": ms["encode_with_masks"] - ms["encode_stock"],
@@ -248,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # With one GPU the worker runs inside the engine-core process; the frontend is another
     # process, so the two subtotals overlap in time (async scheduling overlaps both with the GPU).
     per_process = {
-        "engine_core": per_step["unpack"] + per_step["scheduler"] + per_step["encode_extra"],
+        "engine_core": per_step.get("launch", 0.0) + per_step["unpack"] + per_step["scheduler"]
+        + per_step["encode_extra"],
         "frontend": per_step["decode_extra"] + per_step["frontend"] + per_step["attach"],
     }
     report = {
@@ -271,6 +279,27 @@ def main(argv: Sequence[str] | None = None) -> dict:
         args.out.write_text(json.dumps(report, indent=2))
         print(f"\nwritten to {args.out}")
     return report
+
+
+def cuda_launch_timer(num_requests: int, vocab_size: int,
+                      top_k: int) -> tuple[Callable[[Any], Any], Callable[[], Any]] | None:
+    """``(run, setup)`` timing the host side of ``compact_support`` as the sampler calls it
+    (width: top_k plus the tie slack), or ``None`` without CUDA. ``setup`` waits for the GPU,
+    so each timed call starts with an idle queue."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from vllm_sampling_mask.worker.compaction import compact_support
+    from vllm_sampling_mask.worker.sampler import tie_slack
+
+    logits = torch.randn(num_requests, vocab_size, device="cuda")  # [R, V] fp32
+    width = min(top_k + tie_slack(top_k), vocab_size)
+
+    def setup() -> None:
+        torch.cuda.synchronize()
+
+    return (lambda _: compact_support(logits, width)), setup
 
 
 def _cpu_name() -> str:
