@@ -1,7 +1,10 @@
 """Real generations through vLLM's engine (CPU: MRV2 under the Triton interpreter).
 
-One engine for the module. Checks the mask contract on a batch that mixes every sampling
-transform, the stop/length paths, n=2, and the per-request rejections.
+One engine for the module, which also accepts top-p-only requests
+(``sampling_mask_allow_top_p_only``) and copies at most 48 ids per row (wider rows take the exact
+fallbacks). Checks the mask contract on a batch that mixes every
+sampling transform, the stop/length paths, n=2, and the per-request rejections (those of an engine
+without the top-p-only setting: ``tests/test_http_endpoints.py`` and the unit test below).
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from mask_invariants import check_completion
 pytestmark = pytest.mark.slow
 
 MAX_LOGPROBS = 64
+# Below the widest rows of the batch (top_k 50 plus ties, the top-p-only nucleus), so both exact
+# fallbacks run: the bitmap copied with the ids (top-p only) and rows fetched from it afterwards.
+MAX_WIDTH = 48
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +27,9 @@ def llm(tiny_model_dir: str):
 
     engine = LLM(tiny_model_dir, return_sampling_mask=True, logprobs_mode="processed_logprobs",
                  enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0, dtype="float32",
-                 max_logprobs=MAX_LOGPROBS)
+                 max_logprobs=MAX_LOGPROBS,
+                 additional_config={"sampling_mask_allow_top_p_only": True,
+                                    "sampling_mask_max_width": MAX_WIDTH})
     yield engine
     del engine
 
@@ -41,6 +49,8 @@ def test_mixed_batch_satisfies_the_contract(llm) -> None:
     cases = {
         "top_k": SamplingParams(top_k=20, logprobs=28, **base),
         "top_p": SamplingParams(top_k=40, top_p=0.8, logprobs=48, **base),
+        # No logprobs: a nucleus row can be wider than max_logprobs.
+        "top_p_only": SamplingParams(top_k=-1, top_p=0.5, **base),
         "min_p": SamplingParams(top_k=40, min_p=0.05, logprobs=48, **base),
         "penalties": SamplingParams(top_k=30, presence_penalty=0.5, frequency_penalty=0.5,
                                     repetition_penalty=1.3, logprobs=38, **base),
@@ -67,6 +77,8 @@ def test_mixed_batch_satisfies_the_contract(llm) -> None:
     # Each transform is visible in the rows.
     for c in results["top_k"]:
         assert all(len(r) <= 20 + 8 for r in c.sampling_mask.token_ids)  # + PyTorch top-k ties
+    top_p_only_rows = [r for c in results["top_p_only"] for r in c.sampling_mask.token_ids]
+    assert max(map(len, top_p_only_rows)) > MAX_WIDTH, "no top-p-only row took the bitmap path"
     for c in results["allowed"]:
         assert all(set(r) <= set(range(100, 140)) for r in c.sampling_mask.token_ids)
     for c in results["logit_bias"]:
@@ -95,9 +107,9 @@ def test_rows_without_logprobs_and_streaming_style_outputs(llm) -> None:
     ("params", "message"),
     [
         (dict(temperature=0.0, top_k=10), r"temperature must be > 0.*got 0\.0"),
-        (dict(temperature=1.0, top_k=0), r"top_k must be > 0.*got 0"),
-        (dict(temperature=1.0, top_k=-1), r"top_k must be > 0.*got -1"),
-        (dict(temperature=1.0), r"top_k must be > 0"),
+        (dict(temperature=1.0, top_k=0), r"top_k must be > 0 or top_p < 1.*got top_k=0 and top_p=1\.0"),
+        (dict(temperature=1.0, top_k=-1), r"top_k must be > 0 or top_p < 1.*got top_k=-1"),
+        (dict(temperature=1.0), r"top_k must be > 0 or top_p < 1"),
     ],
     ids=["temperature_0", "top_k_0", "top_k_-1", "top_k_unset"],
 )
@@ -108,6 +120,23 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(llm, params, message
         llm.generate(["Hello"], SamplingParams(max_tokens=2, **params), use_tqdm=False)
     ok = generate(llm, ["Hello"], SamplingParams(temperature=1.0, top_k=4, max_tokens=2))
     assert check_completion(ok[0], with_logprobs=False) == []
+
+
+@pytest.mark.parametrize("top_k", [None, 0, -1], ids=["unset", "0", "-1"])
+def test_without_the_top_p_only_setting_top_k_is_required(top_k) -> None:
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_sampling_mask.engine.input_processor import check_sampling_params
+
+    params = SamplingParams(temperature=1.0, top_p=0.5, **({} if top_k is None else {"top_k": top_k}))
+    with pytest.raises(VLLMValidationError, match="top_k must be > 0 when .*sampling_mask_allow_top_p_only") as info:
+        check_sampling_params(params)
+    assert info.value.parameter == "top_k"
+    check_sampling_params(params, allow_top_p_only=True)  # accepted with the setting
+    with pytest.raises(VLLMValidationError, match="top_p < 1") as info:
+        check_sampling_params(SamplingParams(temperature=1.0, top_k=top_k or 0), allow_top_p_only=True)
+    assert info.value.parameter == "top_p"
 
 
 def test_beam_search_is_rejected(llm) -> None:

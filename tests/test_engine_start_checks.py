@@ -83,6 +83,8 @@ def test_bad_additional_config_values_are_rejected(tiny_model_dir: str) -> None:
                       additional_config={"return_sampling_mask": "yes"})
     with pytest.raises(ValueError, match="sampling_mask_max_width"):
         engine_config(tiny_model_dir, additional_config={"sampling_mask_max_width": 0})
+    with pytest.raises(ValueError, match="sampling_mask_allow_top_p_only.*bool"):
+        engine_config(tiny_model_dir, additional_config={"sampling_mask_allow_top_p_only": 1})
 
 
 def test_flag_off_changes_nothing_in_config(tiny_model_dir: str) -> None:

@@ -4,7 +4,9 @@ A Qwen3-0.6B-shaped model (vocab 151936; ``SAMPLING_MASK_GPU_MODEL``, default
 ``/root/models/qwen3-0.6b`` as built by the device's make_models.py), 256 requests with async
 scheduling, chunked prefill (prompts longer than the token budget), prefix-cache hits (shared
 prefixes) and forced preemption (a KV cache far smaller than the batch needs). Every completion
-must satisfy the mask contract, and the FlashInfer sampler must never run.
+must satisfy the mask contract, and the FlashInfer sampler must never run. Top-p-only requests
+(``sampling_mask_allow_top_p_only``) on the random model's flat distributions give rows wider than
+the 4096-id copy width: exact through the bitmap.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 import random
 
 import pytest
+
+import numpy as np
 
 from mask_invariants import check_completion
 
@@ -57,6 +61,7 @@ def gpu_llm():
               max_num_batched_tokens=2048, max_num_seqs=NUM_REQUESTS, max_model_len=4096,
               num_gpu_blocks_override=1200, block_size=16, max_logprobs=80, seed=0,
               disable_log_stats=False,
+              additional_config={"sampling_mask_allow_top_p_only": True},
               enforce_eager=os.environ.get("SAMPLING_MASK_GPU_EAGER", "1") == "1")
     yield llm
     del llm
@@ -103,3 +108,28 @@ def test_capture_contract_at_batch_256(gpu_llm) -> None:
     assert before[0]["capture"] and not before[0]["use_flashinfer"]
     assert all(w["flashinfer_calls"] == 0 for w in after)
     assert summary["requests"] == NUM_REQUESTS
+
+
+def test_top_p_only_rows_wider_than_the_copy_width(gpu_llm) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(1)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(100, 8000) for _ in range(64)])
+               for _ in range(64)]
+    # A random model is nearly flat: top_p 0.05 keeps thousands of ids, more than the width 4096.
+    params = SamplingParams(temperature=1.0, top_k=-1, top_p=0.05, max_tokens=16, ignore_eos=True)
+    completions = [c for o in gpu_llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+    widest = 0
+    for c in completions:
+        lengths, ids = c.sampling_mask.csr()  # CSR: no Python lists of ~10^7 ids
+        assert lengths.size == len(c.token_ids)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        for token, start, length in zip(c.token_ids, starts.tolist(), lengths.tolist()):
+            row = ids[start:start + length]
+            assert length > 0 and np.all(np.diff(row) > 0)  # strictly ascending
+            i = int(np.searchsorted(row, token))
+            assert i < length and row[i] == token  # the sampled token is in its row
+        widest = max(widest, int(lengths.max()))
+    print(f"GPU_TOP_P_ONLY requests={len(completions)} widest_row={widest}", flush=True)
+    assert widest > 4096, "no row exercised the bitmap path"

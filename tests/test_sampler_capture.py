@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from vllm_sampling_mask.worker.sampler import SamplingMaskCapture, attach_capture, tie_slack
-from vllm_sampling_mask.worker.step_masks import fetch_rows
+from vllm_sampling_mask.worker.step_masks import WIDE_UNPACK_WIDTH, fetch_rows
 
 
 def fake_sampler(vocab_size: int) -> SimpleNamespace:
@@ -58,3 +58,20 @@ def test_rows_wider_than_the_width_are_fetched_from_the_bitmap() -> None:
     assert host.row(0).tolist() == [0, 1, 2]
     assert host.row(1).tolist() == list(range(100, 200))
     assert fetch_rows(step.support.bits, np.array([1])).shape == (1, 10)
+
+
+def test_wide_buffers_unpack_by_row_slices_to_the_same_rows() -> None:
+    # A width above WIDE_UNPACK_WIDTH (large top_k, top-p only) takes the per-row unpack path.
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.full((4, 2000), float("-inf"))
+    kept = [torch.randperm(2000, generator=generator)[:n] for n in (600, 1, 300, 450)]
+    for r, ids in enumerate(kept):
+        logits[r, ids] = 0.0
+    capture = SamplingMaskCapture(max_width=4096, vocab_size=2000)
+    step = capture.compact(logits, np.full(4, 600, dtype=np.int32))
+    assert step.support.ids.shape[1] > WIDE_UNPACK_WIDTH and not step.overflow_expected
+    host = step.copy_to_host_nonblocking().unpack(np.array([1, 1, 0, 1]))  # row 2 sampled nothing
+    expected = [sorted(k.tolist()) for k in kept]
+    expected[2] = []
+    assert [host.row(r).tolist() for r in range(4)] == expected
+    assert host.row_lengths.tolist() == [600, 1, 0, 450]

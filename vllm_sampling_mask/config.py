@@ -8,6 +8,11 @@ Keys (all optional; the CLI flag and the ``LLM``/``EngineArgs`` keyword write th
 ``sampling_mask_max_width`` (int, default ``DEFAULT_MAX_WIDTH``)
     Cap on the compact per-row width W the GPU copies back each step. Rows wider than W (top-k
     boundary ties, top_k above the cap) are still returned exactly, through a bit-packed fallback.
+``sampling_mask_allow_top_p_only`` (bool, default False)
+    Also accept requests without top_k (``top_k`` unset, 0 or -1) whose ``top_p`` is below 1: the
+    nucleus then bounds the kept set. Such rows can be thousands of ids wide (flat
+    distributions), so every step of a batch holding one copies W ids per row plus the
+    ``[rows, V / 32]`` bitmap: W is ``sampling_mask_max_width``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 ENABLE_KEY = "return_sampling_mask"
 MAX_WIDTH_KEY = "sampling_mask_max_width"
+TOP_P_ONLY_KEY = "sampling_mask_allow_top_p_only"
 DEFAULT_MAX_WIDTH = 4096
 REQUIRED_LOGPROBS_MODE = "processed_logprobs"
 
@@ -27,6 +33,7 @@ class SamplingMaskConfig:
 
     enabled: bool = False
     max_width: int = DEFAULT_MAX_WIDTH
+    allow_top_p_only: bool = False
 
     @classmethod
     def from_additional_config(cls, additional_config: dict[str, Any] | None) -> SamplingMaskConfig:
@@ -43,7 +50,12 @@ class SamplingMaskConfig:
             raise ValueError(
                 f"additional_config[{MAX_WIDTH_KEY!r}] must be a positive int, got {max_width!r}."
             )
-        return cls(enabled=enabled, max_width=max_width)
+        allow_top_p_only = additional_config.get(TOP_P_ONLY_KEY, False)
+        if not isinstance(allow_top_p_only, bool):
+            raise ValueError(
+                f"additional_config[{TOP_P_ONLY_KEY!r}] must be a bool, got {allow_top_p_only!r}."
+            )
+        return cls(enabled=enabled, max_width=max_width, allow_top_p_only=allow_top_p_only)
 
     @classmethod
     def of(cls, vllm_config: Any) -> SamplingMaskConfig:

@@ -20,7 +20,8 @@ CLI_HELP = (
     "Return, for every generated token, the ascending vocabulary ids that survived sampling "
     "filters (logit bias, penalties, bad words, temperature, min-p, top-k/top-p) as "
     "`sampling_mask` (vllm-sampling-mask plugin). Requires Model Runner V2 and "
-    f"--logprobs-mode {REQUIRED_LOGPROBS_MODE}; requests must use temperature > 0 and top_k > 0."
+    f"--logprobs-mode {REQUIRED_LOGPROBS_MODE}; requests must use temperature > 0 and top_k > 0 "
+    "(or top_p < 1 with --additional-config '{\"sampling_mask_allow_top_p_only\": true}')."
 )
 _MRV2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 

@@ -1,7 +1,8 @@
 """Per-request checks (extends ``vllm/v1/engine/input_processor.py`` and the beam-search mixins).
 
 With masks on, a request must describe a distribution whose support is bounded: temperature > 0
-(greedy has no distribution to replay) and top_k > 0 (bounds every row's width). A violation is a
+(greedy has no distribution to replay) and top_k > 0 (bounds every row's width), or, on an engine
+that allows it (``sampling_mask_allow_top_p_only``), no top_k and top_p < 1. A violation is a
 ``ValueError`` for that request only (HTTP 400 in the server); the engine keeps serving.
 """
 
@@ -11,14 +12,15 @@ import functools
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from vllm_sampling_mask.config import SamplingMaskConfig
+from vllm_sampling_mask.config import TOP_P_ONLY_KEY, SamplingMaskConfig
 
 _SWITCH = "the engine returns sampling masks (--return-sampling-mask)"
 
 
-def check_sampling_params(params: Any) -> None:
+def check_sampling_params(params: Any, allow_top_p_only: bool = False) -> None:
     """Raise ``VLLMValidationError`` (a ``ValueError``; HTTP 400 with ``param`` set) naming the
-    parameter if ``params`` can't carry a mask."""
+    parameter if ``params`` can't carry a mask. ``allow_top_p_only``: the engine's
+    ``sampling_mask_allow_top_p_only``."""
     from vllm.exceptions import VLLMValidationError
 
     if params.temperature <= 0:
@@ -27,20 +29,29 @@ def check_sampling_params(params: Any) -> None:
             "has no sampling distribution to replay. Use temperature > 0 (e.g. 1.0).",
             parameter="temperature", value=params.temperature,
         )
-    if params.top_k is None or params.top_k <= 0:
+    if params.top_k is not None and params.top_k > 0:
+        return
+    if not allow_top_p_only:
         raise VLLMValidationError(
             f"top_k must be > 0 when {_SWITCH}, got {params.top_k}: it bounds the size of every "
-            "mask row. Set top_k (e.g. 50; up to the vocabulary size).",
+            "mask row. Set top_k (e.g. 50; up to the vocabulary size), or start the engine with "
+            f"additional_config {{\"{TOP_P_ONLY_KEY}\": true}} to accept top_p < 1 without top_k.",
             parameter="top_k", value=params.top_k,
+        )
+    if params.top_p >= 1.0:
+        raise VLLMValidationError(
+            f"top_k must be > 0 or top_p < 1 when {_SWITCH}, got top_k={params.top_k} and "
+            f"top_p={params.top_p}: without either, every row is the whole vocabulary. Set "
+            "top_p < 1 (e.g. 0.95) or top_k > 0.",
+            parameter="top_p", value=params.top_p,
         )
 
 
-def _masks_enabled(holder: Any, vllm_config: Any) -> bool:
-    enabled = holder.__dict__.get("_sampling_mask_enabled")
-    if enabled is None:
-        enabled = SamplingMaskConfig.of(vllm_config).enabled
-        holder.__dict__["_sampling_mask_enabled"] = enabled
-    return enabled
+def _mask_config(holder: Any, vllm_config: Any) -> SamplingMaskConfig:
+    config = holder.__dict__.get("_sampling_mask_config")
+    if config is None:
+        config = holder.__dict__["_sampling_mask_config"] = SamplingMaskConfig.of(vllm_config)
+    return config
 
 
 def wrap_validate_params(original: Any) -> Any:
@@ -50,8 +61,10 @@ def wrap_validate_params(original: Any) -> Any:
     @functools.wraps(original)
     def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> None:
         original(self, params, *args, **kwargs)
-        if isinstance(params, SamplingParams) and _masks_enabled(self, self.vllm_config):
-            check_sampling_params(params)
+        if isinstance(params, SamplingParams):
+            config = _mask_config(self, self.vllm_config)
+            if config.enabled:
+                check_sampling_params(params, config.allow_top_p_only)
 
     return _validate_params
 
@@ -68,7 +81,7 @@ def wrap_offline_beam_search(original: Any) -> Any:
 
     @functools.wraps(original)
     def beam_search(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _masks_enabled(self, self.llm_engine.vllm_config):
+        if _mask_config(self, self.llm_engine.vllm_config).enabled:
             raise ValueError(_BEAM_SEARCH_ERROR)
         return original(self, *args, **kwargs)
 
@@ -80,7 +93,7 @@ def wrap_online_beam_search(original: Any) -> Any:
 
     @functools.wraps(original)
     async def beam_search(self: Any, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
-        if _masks_enabled(self, self.engine_client.vllm_config):
+        if _mask_config(self, self.engine_client.vllm_config).enabled:
             raise ValueError(_BEAM_SEARCH_ERROR)
         async for output in original(self, *args, **kwargs):
             yield output

@@ -44,6 +44,10 @@ class StepSamplingMasks:
         return self._row_bytes
 
 
+# Above this width, unpacking slices each row instead of masking the whole [R, W] block (the
+# mask costs ~R * W element operations, the slices ~R Python steps; they cross near W = 300).
+WIDE_UNPACK_WIDTH = 256
+
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -102,11 +106,16 @@ class HostStepMasks:
         counts[np.asarray(num_sampled[: counts.size]) == 0] = 0
         width = ids.shape[1]
         overflow = np.flatnonzero(counts > width)
-        if overflow.size == 0:
-            # Common case: boolean indexing of [R, W] walks rows in order, i.e. concatenates them.
+        if overflow.size:
+            return StepSamplingMasks.from_lengths(counts, self._with_overflow_rows(ids, counts, overflow))
+        if width <= WIDE_UNPACK_WIDTH:
+            # Boolean indexing of [R, W] walks rows in order, i.e. concatenates them.
             token_ids = ids[np.arange(width)[None, :] < counts[:, None]]
-            return StepSamplingMasks.from_lengths(counts, token_ids.astype(np.int32, copy=False))
-        return StepSamplingMasks.from_lengths(counts, self._with_overflow_rows(ids, counts, overflow))
+        else:
+            # Wide buffers (large top_k, top-p only) are mostly unused slots: touch only the ids.
+            token_ids = np.concatenate([ids[r, :n] for r, n in enumerate(counts.tolist())]
+                                       or [np.zeros(0, dtype=np.int32)])
+        return StepSamplingMasks.from_lengths(counts, token_ids.astype(np.int32, copy=False))
 
     def _with_overflow_rows(self, ids: np.ndarray, counts: np.ndarray, overflow: np.ndarray) -> np.ndarray:
         vocab_size = self.device.support.vocab_size
