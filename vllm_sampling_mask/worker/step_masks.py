@@ -124,7 +124,8 @@ class HostStepMasks:
         else:
             # Rare (boundary ties wider than the width's slack): fetch only those rows.
             bits = fetch_rows(self.device.support.bits, overflow)
-        kept = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-        wide_rows = {int(r): np.flatnonzero(k).astype(np.int32) for r, k in zip(overflow, kept)}
-        rows = [wide_rows[r] if r in wide_rows else ids[r, : counts[r]] for r in range(counts.size)]
+        rows = [ids[r, :n] for r, n in enumerate(counts.tolist())]
+        for r, words in zip(overflow.tolist(), bits.view(np.uint8)):  # one row's bits at a time
+            kept = np.unpackbits(words, bitorder="little")[:vocab_size]
+            rows[r] = np.flatnonzero(kept).astype(np.int32)
         return np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
