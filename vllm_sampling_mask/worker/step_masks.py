@@ -106,26 +106,27 @@ class HostStepMasks:
         counts[np.asarray(num_sampled[: counts.size]) == 0] = 0
         width = ids.shape[1]
         overflow = np.flatnonzero(counts > width)
-        if overflow.size:
-            return StepSamplingMasks.from_lengths(counts, self._with_overflow_rows(ids, counts, overflow))
-        if width <= WIDE_UNPACK_WIDTH:
+        if overflow.size == 0 and width <= WIDE_UNPACK_WIDTH:
             # Boolean indexing of [R, W] walks rows in order, i.e. concatenates them.
             token_ids = ids[np.arange(width)[None, :] < counts[:, None]]
-        else:
-            # Wide buffers (large top_k, top-p only) are mostly unused slots: touch only the ids.
-            token_ids = np.concatenate([ids[r, :n] for r, n in enumerate(counts.tolist())]
-                                       or [np.zeros(0, dtype=np.int32)])
+            return StepSamplingMasks.from_lengths(counts, token_ids.astype(np.int32, copy=False))
+        # Row by row: wide buffers (large top_k, top-p only) are mostly unused slots, and rows
+        # wider than W come from the bitmap.
+        rows = [ids[r, :n] for r, n in enumerate(counts.tolist())]
+        if overflow.size:
+            self._read_overflow_rows(rows, overflow)
+        token_ids = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
         return StepSamplingMasks.from_lengths(counts, token_ids.astype(np.int32, copy=False))
 
-    def _with_overflow_rows(self, ids: np.ndarray, counts: np.ndarray, overflow: np.ndarray) -> np.ndarray:
+    def _read_overflow_rows(self, rows: list[np.ndarray], overflow: np.ndarray) -> None:
+        """Replace ``rows[r]`` for every ``r`` in ``overflow`` (rows wider than W) with its ids
+        read from the bitmap."""
         vocab_size = self.device.support.vocab_size
         if self.bits is not None:
             bits = self.bits.numpy()[overflow]
         else:
             # Rare (boundary ties wider than the width's slack): fetch only those rows.
             bits = fetch_rows(self.device.support.bits, overflow)
-        rows = [ids[r, :n] for r, n in enumerate(counts.tolist())]
         for r, words in zip(overflow.tolist(), bits.view(np.uint8)):  # one row's bits at a time
             kept = np.unpackbits(words, bitorder="little")[:vocab_size]
             rows[r] = np.flatnonzero(kept).astype(np.int32)
-        return np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
