@@ -2,9 +2,9 @@
 
 One engine for the module, which also accepts top-p-only requests
 (``sampling_mask_allow_top_p_only``) and copies at most 48 ids per row (wider rows take the exact
-fallbacks). Checks the mask contract on a batch that mixes every
-sampling transform, the stop/length paths, n=2, and the per-request rejections (those of an engine
-without the top-p-only setting: ``tests/test_http_endpoints.py`` and the unit test below).
+fallbacks). Checks the mask contract on a batch that mixes every sampling transform, the
+stop/length paths, n=2, and the per-request rejections (those of an engine without the top-p-only
+setting: ``tests/test_http_endpoints.py`` and the unit test below).
 """
 
 from __future__ import annotations
