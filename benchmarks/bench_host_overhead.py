@@ -7,8 +7,8 @@ with top_k ``--top-k``, through the same code the engine runs, each hop timed se
     python benchmarks/bench_host_overhead.py --small                              # smoke (seconds)
 
 - ``launch``           worker, only where CUDA is available: the host side of the sampler's
-                       ``compact_support`` on ``[R, V]`` fp32 CUDA logits (argument checks,
-                       output allocations, the two Triton launches), in the engine-core total;
+                       capture call on ``[R, V]`` fp32 CUDA logits (width, output allocations,
+                       the two Triton launches), in the engine-core total;
 - ``unpack``           worker: ``HostStepMasks.unpack``, the copied ``[R, 1 + W]`` counts + ids
                        -> CSR rows; ``unpack_overflow``: the same with one row wider than W
                        (read from the copied bitmap);
@@ -283,23 +283,25 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def cuda_launch_timer(num_requests: int, vocab_size: int,
                       top_k: int) -> tuple[Callable[[Any], Any], Callable[[], Any]] | None:
-    """``(run, setup)`` timing the host side of ``compact_support`` as the sampler calls it
-    (width: top_k plus the tie slack), or ``None`` without CUDA. ``setup`` waits for the GPU,
-    so each timed call starts with an idle queue."""
+    """``(run, setup)`` timing the sampler's capture call (``SamplingMaskCapture.compact``: width
+    choice, allocations, the two Triton launches) on ``[R, V]`` fp32 CUDA logits, or ``None``
+    without CUDA. ``setup`` waits for the GPU, so each timed call starts with an idle queue."""
+    import numpy as np
     import torch
 
     if not torch.cuda.is_available():
         return None
-    from vllm_sampling_mask.worker.compaction import compact_support
-    from vllm_sampling_mask.worker.sampler import tie_slack
+    from vllm_sampling_mask.config import DEFAULT_MAX_WIDTH
+    from vllm_sampling_mask.worker.sampler import SamplingMaskCapture
 
+    capture = SamplingMaskCapture(DEFAULT_MAX_WIDTH, vocab_size)
     logits = torch.randn(num_requests, vocab_size, device="cuda")  # [R, V] fp32
-    width = min(top_k + tie_slack(top_k), vocab_size)
+    top_k_np = np.full(num_requests, top_k, dtype=np.int32)
 
     def setup() -> None:
         torch.cuda.synchronize()
 
-    return (lambda _: compact_support(logits, width)), setup
+    return (lambda _: capture.compact(logits, top_k_np)), setup
 
 
 def _cpu_name() -> str:

@@ -31,7 +31,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.utils.hashing import get_hash_fn_by_name
 
 from vllm_builders import EOS_TOKEN_ID, engine_core_request, sampling_params
-from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, row_mask
+from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, rows_mask
 from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
 
 MAX_MODEL_LEN = 64
@@ -199,7 +199,7 @@ def run_steps(scheduler: Scheduler, runner: FakeRunner, n: int) -> list[Outputs]
 
 def mask_of(output: EngineCoreOutput) -> list[Row] | None:
     row = getattr(output, "sampling_mask", None)
-    return None if row is None else row_mask(row).token_ids
+    return None if row is None else rows_mask([row]).token_ids
 
 
 def history(steps: list[Outputs], req_id: str) -> tuple[list[int], list[Row]]:

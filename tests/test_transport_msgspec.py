@@ -23,7 +23,6 @@ from vllm_sampling_mask.engine.transport import (
     EngineCoreOutputWithMask,
     check_client_decoder,
     outputs_carry_masks,
-    row_mask,
     rows_mask,
 )
 from vllm_sampling_mask.patching import original_of
@@ -112,7 +111,7 @@ def test_patched_client_decoder_keeps_every_mask_exactly() -> None:
         if row is None:
             assert output.sampling_mask is None
         else:
-            assert row_mask(output.sampling_mask).token_ids == [row]
+            assert rows_mask([output.sampling_mask]).token_ids == [row]
 
 
 def test_masks_survive_out_of_band_buffers() -> None:
@@ -124,7 +123,7 @@ def test_masks_survive_out_of_band_buffers() -> None:
     assert len(MsgpackEncoder().encode(sent)) > 1  # really out of band
 
     received = round_trip(sent, core_client.EngineCoreOutputs).outputs[0]
-    assert row_mask(received.sampling_mask).token_ids == [[1, 6, INT32_MAX]]
+    assert rows_mask([received.sampling_mask]).token_ids == [[1, 6, INT32_MAX]]
     np.testing.assert_array_equal(received.new_logprobs.logprob_token_ids,
                                   output.new_logprobs.logprob_token_ids)
 
@@ -225,7 +224,7 @@ def test_check_client_decoder_fails_when_the_binding_is_reverted(
 def test_wire_rows_round_trip(rows: Sequence[Sequence[int]]) -> None:
     """``rows_mask`` of the rows' wire bytes gives the rows back, empty rows included."""
     assert rows_mask([mask_row(r) for r in rows]).token_ids == [list(r) for r in rows]
-    assert row_mask(mask_row(rows[0])).token_ids == [list(rows[0])]
+    assert rows_mask([mask_row(rows[0])]).token_ids == [list(rows[0])]
 
 
 def test_zero_rows_decode_to_no_rows() -> None:

@@ -22,15 +22,10 @@ from vllm_sampling_mask.config import SamplingMaskConfig
 from vllm_sampling_mask.outputs import SamplingMask
 
 
-def row_mask(row: bytes) -> SamplingMask:
-    """The ``SamplingMask`` of one wire row (undecoded)."""
-    return SamplingMask.from_wire([len(row) >> 2], row)
-
-
 def rows_mask(rows: list[bytes]) -> SamplingMask:
-    """The ``SamplingMask`` of several wire rows, in order (undecoded)."""
-    if len(rows) == 1:
-        return row_mask(rows[0])
+    """The ``SamplingMask`` of wire rows (one per token, in order), undecoded."""
+    if len(rows) == 1:  # a streamed token: no join
+        return SamplingMask.from_wire([len(rows[0]) >> 2], rows[0])
     return SamplingMask.from_wire([len(row) >> 2 for row in rows], b"".join(rows))
 
 
