@@ -10,10 +10,10 @@ with top_k ``--top-k``, through the same code the engine runs, each hop timed se
                        capture call on ``[R, V]`` fp32 CUDA logits (width, output allocations,
                        the two Triton launches), in the engine-core total;
 - ``unpack``           worker: ``HostStepMasks.unpack``, the copied ``[R, 1 + W]`` counts + ids
-                       -> CSR rows; ``unpack_overflow``: the same with one row wider than W
+                       -> one int32 bytes row per request; ``unpack_overflow``: the same with one row wider than W
                        (read from the copied bitmap);
 - ``scheduler``        engine core: the ``Scheduler.update_from_output`` wrapper, i.e.
-                       the step's rows as bytes (``row_bytes``), one to every request's output;
+                       the step's row bytes, one to every request's output;
 - ``encode``/``decode`` the ZMQ hop: vLLM's ``MsgpackEncoder`` / ``MsgpackDecoder`` of one
                        ``EngineCoreOutputs`` of R outputs with masks and, ``*_stock``, without
                        (vLLM's own types); ``*_extra`` is the difference;
@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     host_wide = make_step(R, V, K, wide_row=min(V, 4 * K))
     num_sampled = np.ones(R, dtype=np.int32)
     step = host.unpack(num_sampled)
-    assert int(step.row_lengths.sum()) == R * K
+    assert sum(step.row_lengths()) == R * K
     rng = np.random.default_rng(1)
     tokens = [int(step.row(i)[rng.integers(K)]) for i in range(R)]
     request_ids = [f"cmpl-{i:032x}-0" for i in range(R)]  # vLLM-like ids
@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         states = []
         for i, (rid, tok) in enumerate(zip(request_ids, tokens)):
             held = RequestMaskRows()
-            held.pending.append(step.row_bytes()[i])
+            held.pending.append(step.rows[i])
             states.append(Stub(request_id=rid, completion=SimpleNamespace(token_ids=[tok]),
                                output_kind=RequestOutputKind.DELTA, sampling_mask_rows=held))
         return states

@@ -131,7 +131,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, sizes[name])
     args.warmup_len = sizes["warmup_len"]
-    args.temperature, args.dtype = 1.0, "float32" if args.small else None
+    args.temperature, args.dtype = 1.0, "float32" if args.small else "auto"
     return args
 
 

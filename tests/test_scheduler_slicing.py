@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
 import pytest
 import torch
 
@@ -155,10 +154,7 @@ class FakeRunner:
             sampled_token_ids=sampled,
         )
         if self.attach_masks:
-            output.sampling_masks = StepSamplingMasks.from_lengths(
-                np.array([len(r) for r in rows], dtype=np.int32),
-                np.array([i for r in rows for i in r], dtype=np.int32),
-            )
+            output.sampling_masks = StepSamplingMasks.from_id_lists(rows)
         self.step += 1
         return output
 
@@ -399,9 +395,7 @@ def test_more_than_one_token_per_step_raises(configs: dict[bool, VllmConfig]) ->
     model_runner_output = ModelRunnerOutput(
         req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[11, 12]]
     )
-    model_runner_output.sampling_masks = StepSamplingMasks.from_lengths(
-        np.array([2], dtype=np.int32), np.array([11, 12], dtype=np.int32)
-    )
+    model_runner_output.sampling_masks = StepSamplingMasks.from_id_lists([[11, 12]])
     with pytest.raises(RuntimeError, match=r"produced 2 token\(s\) but one row"):
         scheduler.update_from_output(scheduler_output, model_runner_output)
 

@@ -45,7 +45,7 @@ def wrap_update_from_output(original: Any) -> Any:
             outputs = original(self, scheduler_output, model_runner_output)
         step = getattr(model_runner_output, "sampling_masks", None)
         index = model_runner_output.req_id_to_index
-        row_bytes = None if step is None else step.row_bytes()
+        row_bytes = None if step is None else step.rows
         for engine_core_outputs in outputs.values():
             for output in engine_core_outputs.outputs:
                 num_new = len(output.new_token_ids)

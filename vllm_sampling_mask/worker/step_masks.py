@@ -1,7 +1,8 @@
-"""Host side of one step's masks: device results -> async copy -> CSR rows (numpy, vectorised)."""
+"""Host side of one step's masks: device results -> async copy -> one int32 bytes row per request."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,40 +13,32 @@ from vllm_sampling_mask.worker.compaction import CompactSupport
 
 @dataclass
 class StepSamplingMasks:
-    """The kept ids of every row (request) of one step, as CSR on the host.
+    """The kept ids of every row (request) of one step, on the host.
 
-    row_lengths: ``[R]`` int32; 0 for rows that sampled nothing (partial prefill chunks).
-    token_ids:   ``[sum(row_lengths)]`` int32, rows concatenated in batch order.
-    offsets:     ``[R + 1]`` int64, row ``r`` is ``token_ids[offsets[r]:offsets[r + 1]]``.
+    rows: ``R`` bytes objects; row ``r`` holds its ascending kept ids as little-endian int32
+          (``4 * n`` bytes for ``n`` ids: the wire format of one output's row), ``b""`` for
+          rows that sampled nothing (partial prefill chunks). The engine core hands each
+          request its row as is, so a step costs one bytes object per row and no decoding.
     """
 
-    row_lengths: np.ndarray
-    token_ids: np.ndarray
-    offsets: np.ndarray
-    _row_bytes: list[bytes] | None = None
+    rows: list[bytes]
 
     @classmethod
-    def from_lengths(cls, row_lengths: np.ndarray, token_ids: np.ndarray) -> StepSamplingMasks:
-        offsets = np.zeros(row_lengths.size + 1, dtype=np.int64)
-        np.cumsum(row_lengths, out=offsets[1:])
-        return cls(row_lengths, token_ids, offsets)
+    def from_id_lists(cls, rows: Sequence[Sequence[int]]) -> StepSamplingMasks:
+        """From Python lists of ids (tests, benchmarks)."""
+        return cls([np.asarray(row, dtype="<i4").tobytes() for row in rows])
 
     def row(self, index: int) -> np.ndarray:
-        """``[row_lengths[index]]`` int32 view of one row."""
-        return self.token_ids[self.offsets[index] : self.offsets[index + 1]]
+        """``[n]`` int32 read-only view of one row."""
+        return np.frombuffer(self.rows[index], dtype="<i4")
 
-    def row_bytes(self) -> list[bytes]:
-        """Every row as little-endian int32 bytes (the wire format of one output's row), built
-        once per step: the engine core hands one to every request every step."""
-        if self._row_bytes is None:
-            blob = self.token_ids.astype("<i4", copy=False).tobytes()
-            bounds = (4 * self.offsets).tolist()
-            self._row_bytes = [blob[a:b] for a, b in zip(bounds, bounds[1:])]
-        return self._row_bytes
+    def row_lengths(self) -> list[int]:
+        """Number of ids of every row."""
+        return [len(row) >> 2 for row in self.rows]
 
 
-# Above this width, unpacking slices each row instead of masking the whole [R, W] block (the
-# mask costs ~R * W element operations, the slices ~R Python steps; they cross near W = 300).
+# Up to this width, unpacking copies the whole [R, 1 + W] buffer once and slices each row's bytes
+# from it; wider buffers copy only each row's ids (the whole copy would move mostly unused slots).
 WIDE_UNPACK_WIDTH = 256
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -99,26 +92,30 @@ class HostStepMasks:
     device: DeviceStepMasks
 
     def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
-        """CSR rows; ``num_sampled`` ``[R]`` int, rows with 0 sampled tokens yield nothing."""
-        packed = self.packed.numpy()
-        ids = packed[:, 1:]
-        counts = packed[:, 0].astype(np.int32, copy=True)
-        counts[np.asarray(num_sampled[: counts.size]) == 0] = 0
-        width = ids.shape[1]
+        """Every row's bytes; ``num_sampled`` ``[R]`` int, rows with 0 sampled tokens yield
+        ``b""``."""
+        packed = self.packed.numpy().astype("<i4", copy=False)  # a view on little-endian hosts
+        num_rows, row_words = packed.shape
+        width = row_words - 1
+        counts = packed[:, 0].copy()
+        counts[np.asarray(num_sampled[:num_rows]) == 0] = 0
         overflow = np.flatnonzero(counts > width)
-        if overflow.size == 0 and width <= WIDE_UNPACK_WIDTH:
-            # Boolean indexing of [R, W] walks rows in order, i.e. concatenates them.
-            token_ids = ids[np.arange(width)[None, :] < counts[:, None]]
-            return StepSamplingMasks.from_lengths(counts, token_ids.astype(np.int32, copy=False))
-        # Row by row: wide buffers (large top_k, top-p only) are mostly unused slots, and rows
-        # wider than W come from the bitmap.
-        rows = [ids[r, :n] for r, n in enumerate(counts.tolist())]
+        np.minimum(counts, width, out=counts)  # overflow rows are replaced below
+        stride = 4 * row_words
+        starts = range(4, num_rows * stride, stride)  # byte offset of each row's first id
+        if width <= WIDE_UNPACK_WIDTH:
+            # One copy of the whole buffer, then a bytes slice per row.
+            blob = packed.tobytes()
+            rows = [blob[start : start + 4 * n] for start, n in zip(starts, counts.tolist())]
+        else:
+            # Wide buffers (large top_k, top-p only) are mostly unused slots: copy only the ids.
+            view = memoryview(packed).cast("B")
+            rows = [bytes(view[start : start + 4 * n]) for start, n in zip(starts, counts.tolist())]
         if overflow.size:
             self._read_overflow_rows(rows, overflow)
-        token_ids = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
-        return StepSamplingMasks.from_lengths(counts, token_ids.astype(np.int32, copy=False))
+        return StepSamplingMasks(rows)
 
-    def _read_overflow_rows(self, rows: list[np.ndarray], overflow: np.ndarray) -> None:
+    def _read_overflow_rows(self, rows: list[bytes], overflow: np.ndarray) -> None:
         """Replace ``rows[r]`` for every ``r`` in ``overflow`` (rows wider than W) with its ids
         read from the bitmap."""
         vocab_size = self.device.support.vocab_size
@@ -129,4 +126,4 @@ class HostStepMasks:
             bits = fetch_rows(self.device.support.bits, overflow)
         for r, words in zip(overflow.tolist(), bits.view(np.uint8)):  # one row's bits at a time
             kept = np.unpackbits(words, bitorder="little")[:vocab_size]
-            rows[r] = np.flatnonzero(kept).astype(np.int32)
+            rows[r] = np.flatnonzero(kept).astype("<i4").tobytes()
