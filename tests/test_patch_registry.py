@@ -76,6 +76,38 @@ def test_apply_is_idempotent_and_revert_restores(monkeypatch: pytest.MonkeyPatch
     assert Thing().method() == "original"
 
 
+def test_a_scoped_patch_is_bound_only_inside_its_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    module = types.ModuleType("vllm_fake_scoped")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm_fake_scoped", None)
+    module.Output = tuple
+    monkeypatch.setitem(sys.modules, "vllm_fake_scoped", module)
+    wrappers = types.ModuleType("vllm_fake_scoped_wrappers")
+    wrappers.replace = lambda original: list
+    monkeypatch.setitem(sys.modules, "vllm_fake_scoped_wrappers", wrappers)
+    patch = Patch(target="vllm_fake_scoped:Output", make="vllm_fake_scoped_wrappers:replace",
+                  why="test", process="engine-core", scoped=True)
+    apply_patches([patch])
+    try:
+        assert module.Output is tuple and patching.original_of(patch.target) is tuple
+        with patching.scoped_patch(patch.target):
+            assert module.Output is list
+            with patching.scoped_patch(patch.target):  # nested blocks restore what they found
+                assert module.Output is list
+            assert module.Output is list
+        assert module.Output is tuple
+        with pytest.raises(RuntimeError), patching.scoped_patch(patch.target):
+            raise RuntimeError("the binding is restored on errors too")
+        assert module.Output is tuple
+    finally:
+        revert_patches([patch.target])
+    with pytest.raises(KeyError):
+        with patching.scoped_patch(patch.target):
+            pass
+
+
 def test_reverting_the_real_list_restores_vllm_and_reapplies() -> None:
     for patch in PATCHES:
         importlib.import_module(patch.module)

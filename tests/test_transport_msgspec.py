@@ -84,11 +84,14 @@ def logprobs(num_tokens: int, width: int) -> LogprobsLists:
 
 
 def test_plugin_rebinds_scheduler_and_client_types() -> None:
-    """In any process with the package installed, the scheduler's binding can build our output
-    subclass (in mask steps) and the client decodes our batch subclass."""
+    """In any process with the package installed, the scheduler's binding builds our output
+    subclass in mask steps (a scoped patch: vLLM's class otherwise) and the client decodes our
+    batch subclass."""
     from vllm.v1.core.sched import scheduler
 
-    assert scheduler.EngineCoreOutput is not EngineCoreOutput and callable(scheduler.EngineCoreOutput)
+    assert scheduler.EngineCoreOutput is EngineCoreOutput
+    with outputs_carry_masks():
+        assert scheduler.EngineCoreOutput is EngineCoreOutputWithMask
     assert original_of("vllm.v1.core.sched.scheduler:EngineCoreOutput") is EngineCoreOutput
     assert core_client.EngineCoreOutputs is EngineCoreOutputsWithMasks
     assert original_of("vllm.v1.engine.core_client:EngineCoreOutputs") is EngineCoreOutputs
@@ -162,16 +165,18 @@ def ours_and_vllms(extra: dict[str, Any]) -> tuple[EngineCoreOutputs, EngineCore
 
 @pytest.mark.parametrize("extra", WITHOUT_MASK_CASES, ids=WITHOUT_MASK_IDS)
 def test_outside_a_mask_step_the_scheduler_builds_vllms_class(extra: dict[str, Any]) -> None:
-    """The scheduler's ``EngineCoreOutput`` binding builds vLLM's own class (so vLLM's exact
-    wire bytes) unless a mask engine's ``update_from_output`` is running."""
+    """The scheduler's ``EngineCoreOutput`` binding is vLLM's own class (so vLLM's exact wire
+    bytes, and no wrapper per output) unless a mask engine's ``update_from_output`` is running."""
     from vllm.v1.core.sched import scheduler as scheduler_module
 
+    assert scheduler_module.EngineCoreOutput is EngineCoreOutput
     built = scheduler_module.EngineCoreOutput("r", [1, 2], **extra)
     assert type(built) is EngineCoreOutput
     _, vllms = ours_and_vllms(extra)
     assert encoded_bytes(EngineCoreOutputs(outputs=[built], timestamp=TIMESTAMP)) == encoded_bytes(vllms)
     with outputs_carry_masks():
         assert type(scheduler_module.EngineCoreOutput("r", [1], **extra)) is EngineCoreOutputWithMask
+    assert scheduler_module.EngineCoreOutput is EngineCoreOutput
 
 
 @pytest.mark.parametrize("extra", WITHOUT_MASK_CASES, ids=WITHOUT_MASK_IDS)

@@ -114,8 +114,10 @@ PATCHES: list[Patch] = [
         target="vllm.v1.core.sched.scheduler:EngineCoreOutput",
         make=f"{_P}.engine.transport:replace_engine_core_output",
         why="Inside update_from_output of a mask engine, outputs are built as our msgspec "
-        "subclass with a trailing sampling_mask field; elsewhere as vLLM's class (same bytes).",
+        "subclass with a trailing sampling_mask field. Scoped: elsewhere the binding is vLLM's "
+        "class (same bytes, and no per-output cost with the switch off).",
         process="engine-core",
+        scoped=True,
     ),
     Patch(
         target="vllm.v1.engine.core_client:EngineCoreOutputs",

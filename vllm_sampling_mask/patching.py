@@ -4,18 +4,21 @@ A ``Patch`` names one vLLM attribute (``module:Qualified.name``), every other mo
 binding of the same object that must change with it, the vLLM versions it was written for, and
 why. ``apply_patches`` installs each patch as soon as its module is imported (an import hook
 defers patches whose module is not imported yet), exactly once per process: applying again is a
-no-op, so every process may call it from any plugin entry point. ``revert_patches`` restores the
-originals (tests use it).
+no-op, so every process may call it from any plugin entry point. A *scoped* patch is resolved and
+checked the same way but swapped in only inside ``scoped_patch`` (for a per-object hot path that
+must cost nothing when the switch is off). ``revert_patches`` restores the originals (tests use
+it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -62,7 +65,9 @@ class Patch:
     imported only when the patch is installed) receives the original object and returns its
     replacement (a wrapper that calls the original, or a subclass).
     ``also_bound_in`` lists other modules that did ``from module import attr`` and whose binding
-    must be replaced too. ``adds`` marks a new attribute (``make`` then receives ``None``). ``process`` says where the patch matters (documentation and tests).
+    must be replaced too. ``adds`` marks a new attribute (``make`` then receives ``None``).
+    ``scoped`` keeps vLLM's object bound except inside ``scoped_patch(target)``. ``process`` says
+    where the patch matters (documentation and tests).
     """
 
     target: str
@@ -71,6 +76,7 @@ class Patch:
     process: str
     also_bound_in: tuple[str, ...] = ()
     adds: bool = False
+    scoped: bool = False
     remove_when: str = "vLLM >= 0.28 (native sampling masks)"
 
     @property
@@ -85,6 +91,8 @@ class Patch:
 @dataclass
 class _AppliedPatch:
     patch: Patch
+    owner: Any
+    name: str
     original: Any
     replacement: Any
     rebound: list[tuple[ModuleType, str]] = field(default_factory=list)
@@ -137,14 +145,16 @@ def _install(patch: Patch, module: ModuleType) -> None:
             setattr(replacement, _MARK, patch.target)
         except (AttributeError, TypeError):  # e.g. staticmethod objects on old Pythons
             pass
+        record = _AppliedPatch(patch, owner, name, original, replacement)
+        _applied[patch.target] = record
+        if patch.scoped:
+            return  # swapped in by scoped_patch only
         setattr(owner, name, replacement)
-        record = _AppliedPatch(patch, original, replacement)
         for other in patch.also_bound_in:
             other_module = importlib.import_module(other)
             if getattr(other_module, name, None) is original:
                 setattr(other_module, name, replacement)
                 record.rebound.append((other_module, name))
-        _applied[patch.target] = record
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
@@ -213,6 +223,25 @@ def applied_targets() -> list[str]:
 def original_of(target: str) -> Any:
     """The vLLM object a patch replaced (raises ``KeyError`` if not applied)."""
     return _applied[target].original
+
+
+@contextlib.contextmanager
+def scoped_patch(target: str) -> Iterator[None]:
+    """Bind the replacement of the scoped patch ``target`` for the duration of the block.
+
+    A module binding is process-wide: a block must not overlap code in another thread that reads
+    the same binding and expects vLLM's object (the engine core's scheduler runs in one thread).
+    Raises ``KeyError`` if ``target`` is not an installed scoped patch.
+    """
+    record = _applied[target]
+    if not record.patch.scoped:
+        raise KeyError(f"{target} is not a scoped patch")
+    previous = getattr(record.owner, record.name)
+    setattr(record.owner, record.name, record.replacement)
+    try:
+        yield
+    finally:
+        setattr(record.owner, record.name, previous)
 
 
 def revert_patches(targets: list[str] | None = None) -> None:

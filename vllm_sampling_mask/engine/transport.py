@@ -3,21 +3,22 @@
 ``EngineCoreOutput`` is an ``array_like`` msgspec Struct with fixed fields. A subclass with one
 trailing optional field encodes as one extra array element. msgspec encodes that element even when
 it is ``None`` (``omit_defaults`` does not apply to ``array_like`` structs), so the scheduler builds
-the subclass only inside the ``update_from_output`` of an engine whose switch is on; every other
-output is vLLM's own class and vLLM's own bytes. A decoder typed with the base class silently
+the subclass only inside the ``update_from_output`` of an engine whose switch is on (a scoped patch
+of its ``EngineCoreOutput`` binding); every other output is vLLM's own class, built by vLLM's own
+binding, and vLLM's own bytes. A decoder typed with the base class silently
 drops the extra element, so the client's decoder is typed with ``EngineCoreOutputsWithMasks``
 (which decodes vLLM's shorter arrays too) and checked at start-up.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
+from vllm_sampling_mask import patching
 from vllm_sampling_mask.config import SamplingMaskConfig
 from vllm_sampling_mask.outputs import SamplingMask
 
@@ -50,30 +51,19 @@ class EngineCoreOutputsWithMasks(
     outputs: list[EngineCoreOutputWithMask] = []  # type: ignore[assignment]
 
 
-_building_with_masks = False
+SCHEDULER_OUTPUT_BINDING = "vllm.v1.core.sched.scheduler:EngineCoreOutput"
 
 
-@contextlib.contextmanager
-def outputs_carry_masks() -> Iterator[None]:
+def outputs_carry_masks() -> AbstractContextManager[None]:
     """Within this block the scheduler builds ``EngineCoreOutputWithMask`` (engine core thread)."""
-    global _building_with_masks
-    _building_with_masks = True
-    try:
-        yield
-    finally:
-        _building_with_masks = False
+    return patching.scoped_patch(SCHEDULER_OUTPUT_BINDING)
 
 
-def replace_engine_core_output(original: type) -> Callable[..., Any]:
-    """Scheduler binding of ``EngineCoreOutput``: our subclass inside ``outputs_carry_masks``,
-    vLLM's class (and so vLLM's exact wire bytes) everywhere else."""
+def replace_engine_core_output(original: type) -> type:
+    """Scheduler binding of ``EngineCoreOutput`` inside ``outputs_carry_masks``: our subclass.
+    Outside it the binding stays vLLM's class, so an engine with the switch off pays nothing."""
     assert original is EngineCoreOutput
-
-    def engine_core_output(*args: Any, **kwargs: Any) -> EngineCoreOutput:
-        cls = EngineCoreOutputWithMask if _building_with_masks else original
-        return cls(*args, **kwargs)
-
-    return engine_core_output
+    return EngineCoreOutputWithMask
 
 
 def replace_engine_core_outputs(original: type) -> type:
