@@ -19,7 +19,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.tokenizers import TokenizerLike, get_tokenizer
 from vllm.v1.engine import EngineCoreRequest, FinishReason
-from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
+from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector, RequestState
 from vllm.v1.engine.parallel_sampling import ParentRequest
 
 from vllm_builders import engine_core_output, engine_core_request, sampling_params
@@ -428,7 +428,14 @@ def test_switch_off_no_completion_has_a_mask(
     tokenizer: TokenizerLike, text_tokens: list[int], engine_sends_masks: bool
 ) -> None:
     """Switch off: ``sampling_mask`` is None in every output kind (even if outputs carry rows),
-    and every other field equals what the switch-on processor returns."""
+    request states keep vLLM's class (no per-output wrapper), and every other field equals what
+    the switch-on processor returns."""
+    off_processor, on_processor = make_processor(tokenizer, enabled=False), make_processor(tokenizer)
+    for processor in (off_processor, on_processor):
+        add(processor, "probe", CUMULATIVE)
+    assert type(off_processor.request_states["probe"]) is RequestState
+    assert type(on_processor.request_states["probe"]) is not RequestState
+    assert isinstance(on_processor.request_states["probe"], RequestState)
     off = _all_completions(make_processor(tokenizer, enabled=False),
                            FakeEngineCore(with_masks=engine_sends_masks), text_tokens)
     on = _all_completions(make_processor(tokenizer), FakeEngineCore(), text_tokens)

@@ -108,6 +108,47 @@ def test_a_scoped_patch_is_bound_only_inside_its_block(monkeypatch: pytest.Monke
             pass
 
 
+def test_an_instance_patch_changes_one_object_and_frees_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+    import sys
+    import types
+    import weakref
+
+    class State:
+        def describe(self) -> str:
+            return "vllm"
+
+    module = types.ModuleType("vllm_fake_instance")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm_fake_instance", None)
+    module.State = State
+    monkeypatch.setitem(sys.modules, "vllm_fake_instance", module)
+    wrappers = types.ModuleType("vllm_fake_instance_wrappers")
+    wrappers.wrap = lambda original: lambda self: "masked " + original(self)
+    monkeypatch.setitem(sys.modules, "vllm_fake_instance_wrappers", wrappers)
+    patch = Patch(target="vllm_fake_instance:State.describe", make="vllm_fake_instance_wrappers:wrap",
+                  why="test", process="frontend", scoped=True)
+    apply_patches([patch])
+    try:
+        plain, masked = State(), State()
+        patching.patch_instance(patch.target, masked)
+        patching.patch_instance(patch.target, masked)  # idempotent: no subclass of the subclass
+        assert (plain.describe(), masked.describe()) == ("vllm", "masked vllm")
+        assert type(plain) is State and type(masked).__mro__[1] is State
+        assert isinstance(masked, State) and State.describe(masked) == "vllm"
+        other = State()
+        patching.patch_instance(patch.target, other)
+        assert type(other) is type(masked)  # one subclass per class
+        gc.disable()  # freed by reference counting alone: the patch made no cycle
+        try:
+            ref = weakref.ref(masked)
+            del masked
+            assert ref() is None
+        finally:
+            gc.enable()
+    finally:
+        revert_patches([patch.target])
+
+
 def test_reverting_the_real_list_restores_vllm_and_reapplies() -> None:
     for patch in PATCHES:
         importlib.import_module(patch.module)

@@ -4,7 +4,8 @@ Written for vLLM 0.26.x (``patching.SUPPORTED_VLLM_SERIES``); all of it goes onc
 (native ``--return-sampling-mask``) is the floor. ``process`` names where the patch matters:
 ``frontend`` (API server / ``LLM`` process), ``engine-core`` (scheduler process), ``worker``
 (model runner processes). Every process installs the whole list: each wrapper does nothing
-unless its engine's switch is on. Tests check that every entry resolves and reverts.
+unless its engine's switch is on, and the two called once per output (``scoped=True``) are not
+even bound unless it is. Tests check that every entry resolves and reverts.
 """
 
 from __future__ import annotations
@@ -154,8 +155,10 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.v1.engine.output_processor:RequestState._new_completion_output",
         make=f"{_P}.engine.output_processor:wrap_new_completion_output",
-        why="Attach SamplingMask aligned with token_ids (all rows, or the delta's rows).",
+        why="Attach SamplingMask aligned with token_ids (all rows, or the delta's rows). Scoped: "
+        "bound on the request states of a mask engine only (called per output).",
         process="frontend",
+        scoped=True,
     ),
     Patch(
         target="vllm.outputs:RequestOutput.add",

@@ -5,8 +5,8 @@ binding of the same object that must change with it, the vLLM versions it was wr
 why. ``apply_patches`` installs each patch as soon as its module is imported (an import hook
 defers patches whose module is not imported yet), exactly once per process: applying again is a
 no-op, so every process may call it from any plugin entry point. A *scoped* patch is resolved and
-checked the same way but swapped in only inside ``scoped_patch`` (for a per-object hot path that
-must cost nothing when the switch is off). ``revert_patches`` restores the originals (tests use
+checked the same way but bound only where a mask engine needs it: inside a ``scoped_patch`` block,
+or on one object (``patch_instance``), so a per-output hot path costs nothing with the switch off. ``revert_patches`` restores the originals (tests use
 it).
 """
 
@@ -66,7 +66,8 @@ class Patch:
     replacement (a wrapper that calls the original, or a subclass).
     ``also_bound_in`` lists other modules that did ``from module import attr`` and whose binding
     must be replaced too. ``adds`` marks a new attribute (``make`` then receives ``None``).
-    ``scoped`` keeps vLLM's object bound except inside ``scoped_patch(target)``. ``process`` says
+    ``scoped`` keeps vLLM's object bound except inside ``scoped_patch(target)`` or, for a method,
+    on the objects given to ``patch_instance(target, obj)``. ``process`` says
     where the patch matters (documentation and tests).
     """
 
@@ -101,6 +102,7 @@ class _AppliedPatch:
 _MISSING = object()
 _applied: dict[str, _AppliedPatch] = {}
 _pending: dict[str, list[Patch]] = {}
+_instance_classes: dict[tuple[str, type], type] = {}
 _lock = threading.RLock()
 
 
@@ -242,6 +244,28 @@ def scoped_patch(target: str) -> Iterator[None]:
         yield
     finally:
         setattr(record.owner, record.name, previous)
+
+
+def patch_instance(target: str, obj: Any) -> None:
+    """Give ``obj`` the replacement of the scoped method patch ``target``; its class keeps vLLM's.
+
+    ``obj`` becomes an instance of a subclass (made once per class) that overrides only that
+    method: unlike a bound method stored on the instance, this makes no reference cycle, so the
+    object is still freed by reference counting. Raises ``KeyError`` if ``target`` is not an
+    installed scoped patch.
+    """
+    record = _applied[target]
+    if not record.patch.scoped:
+        raise KeyError(f"{target} is not a scoped patch")
+    cls = type(obj)
+    if cls.__dict__.get(record.name) is record.replacement:
+        return
+    subclass = _instance_classes.get((target, cls))
+    if subclass is None:
+        namespace = {record.name: record.replacement, "__module__": cls.__module__,
+                     "__qualname__": cls.__qualname__}
+        subclass = _instance_classes[(target, cls)] = type(cls.__name__, (cls,), namespace)
+    obj.__class__ = subclass
 
 
 def revert_patches(targets: list[str] | None = None) -> None:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from vllm_sampling_mask import patching
 from vllm_sampling_mask.engine.transport import rows_mask
 from vllm_sampling_mask.outputs import SamplingMask
 
 _ROWS_ATTR = "sampling_mask_rows"
 _ENABLED_ATTR = "sampling_mask_enabled"
+COMPLETION_OUTPUT_METHOD = "vllm.v1.engine.output_processor:RequestState._new_completion_output"
 
 
 class RequestMaskRows:
@@ -55,8 +57,19 @@ class RequestMaskRows:
         return rows_mask(pending if len(pending) == num_rows else pending[len(pending) - num_rows:])
 
 
+def mask_rows_of(state: Any) -> RequestMaskRows:
+    """The row list of a mask engine's request state, made on first use together with the
+    state's own ``_new_completion_output`` that attaches the rows (other states keep vLLM's)."""
+    holder = state.__dict__.get(_ROWS_ATTR)
+    if holder is None:
+        holder = state.__dict__[_ROWS_ATTR] = RequestMaskRows()
+        patching.patch_instance(COMPLETION_OUTPUT_METHOD, state)
+    return holder
+
+
 def wrap_add_request(original: Any) -> Any:
-    """``OutputProcessor.add_request``: give each new request state an empty row list."""
+    """``OutputProcessor.add_request``: give each new request state of a mask engine its row
+    list."""
 
     @functools.wraps(original)
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
@@ -64,7 +77,7 @@ def wrap_add_request(original: Any) -> Any:
         if self.__dict__.get(_ENABLED_ATTR):
             state = self.request_states.get(request.request_id)
             if state is not None:
-                state.__dict__.setdefault(_ROWS_ATTR, RequestMaskRows())
+                mask_rows_of(state)
 
     return add_request
 
@@ -83,9 +96,7 @@ def wrap_process_outputs(original: Any) -> Any:
                 state = states.get(output.request_id)
                 if state is None:
                     continue
-                holder = state.__dict__.get(_ROWS_ATTR)
-                if holder is None:
-                    holder = state.__dict__[_ROWS_ATTR] = RequestMaskRows()
+                holder = state.__dict__.get(_ROWS_ATTR) or mask_rows_of(state)
                 holder.pending.append(row)
         return original(self, engine_core_outputs, *args, **kwargs)
 
@@ -93,7 +104,8 @@ def wrap_process_outputs(original: Any) -> Any:
 
 
 def wrap_new_completion_output(original: Any) -> Any:
-    """``RequestState._new_completion_output`` plus ``sampling_mask`` aligned with ``token_ids``."""
+    """``RequestState._new_completion_output`` plus ``sampling_mask`` aligned with ``token_ids``
+    (bound per request state by ``mask_rows_of``)."""
     from vllm.sampling_params import RequestOutputKind
 
     cumulative = RequestOutputKind.CUMULATIVE
@@ -101,9 +113,7 @@ def wrap_new_completion_output(original: Any) -> Any:
     @functools.wraps(original)
     def _new_completion_output(self: Any, *args: Any, **kwargs: Any) -> Any:
         completion = original(self, *args, **kwargs)
-        holder: RequestMaskRows | None = self.__dict__.get(_ROWS_ATTR)
-        if holder is None:
-            return completion
+        holder: RequestMaskRows = self.__dict__[_ROWS_ATTR]
         num_tokens, num_rows = len(completion.token_ids), len(holder)
         if num_rows < num_tokens:
             raise RuntimeError(
