@@ -40,6 +40,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -130,15 +131,29 @@ def make_step(num_requests: int, vocab_size: int, top_k: int, wide_row: int | No
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        # vLLM's scheduler module needs a platform: the CPU test platform, as the tests use.
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_engine_throughput import setup_environment
+
+        setup_environment(small=True)
     import msgspec
     import numpy as np
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+    import vllm.v1.core.sched.scheduler  # noqa: F401  (scoped patches: their modules must be
+    import vllm.v1.engine.output_processor  # noqa: F401  imported for them to be installed)
+
     from vllm_sampling_mask.core.scheduler import wrap_update_from_output
+    from vllm_sampling_mask.patches import PATCHES
+    from vllm_sampling_mask.patching import apply_patches
     from vllm_sampling_mask.engine.output_processor import (
         RequestMaskRows,
+        mask_rows_of,
         wrap_new_completion_output,
         wrap_process_outputs,
     )
@@ -147,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         EngineCoreOutputWithMask,
     )
 
+    apply_patches(PATCHES)  # as vLLM's plugin loading does in every engine process
     R, V, K = args.requests, args.vocab, args.top_k
     host = make_step(R, V, K, wide_row=None)
     host_wide = make_step(R, V, K, wide_row=min(V, 4 * K))
@@ -206,7 +222,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     process = wrap_process_outputs(lambda self, outputs, *a, **k: None)
 
     def frontend_setup() -> Any:
+        # As add_request leaves them (once per request, not per step): row list made.
         states = {rid: Stub(request_id=rid) for rid in request_ids}
+        for state in states.values():
+            mask_rows_of(state)
         return Stub(sampling_mask_enabled=True, request_states=states)
 
     timed("frontend", lambda proc: process(proc, decoded.outputs), frontend_setup)
