@@ -103,6 +103,35 @@ def test_rows_without_logprobs_and_streaming_style_outputs(llm) -> None:
         assert check_completion(completion, with_logprobs=False) == []
 
 
+def test_opted_out_requests_share_batches_and_get_no_mask(llm) -> None:
+    """``extra_args["return_sampling_mask"] = False``: not checked (greedy, no top_k), no mask;
+    the mask requests in the same batches still satisfy the contract, and a batch of only
+    opted-out requests (no capture at all) runs too."""
+    from vllm import SamplingParams
+
+    out = {"return_sampling_mask": False}
+    masked = SamplingParams(temperature=1.0, top_k=20, logprobs=28, max_tokens=8, seed=5)
+    explicit = SamplingParams(temperature=1.0, top_k=20, logprobs=28, max_tokens=8, seed=6,
+                              extra_args={"return_sampling_mask": True})
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, extra_args=out)
+    unbounded = SamplingParams(temperature=1.0, max_tokens=8, seed=8, extra_args=out)
+    prompts = ["Hello world", "the quick brown fox", "kalo mitor", "0123456789 zen"]
+    params = [masked, greedy, unbounded, explicit]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for output, p in zip(outputs, params):
+        (completion,) = output.outputs
+        assert len(completion.token_ids) == 8
+        if p.extra_args == out:
+            assert completion.sampling_mask is None
+        else:
+            assert check_completion(completion, with_logprobs=True) == []
+    greedy_alone = generate(llm, ["Hello world", "the quick brown fox"], [greedy, unbounded])
+    assert all(c.sampling_mask is None and len(c.token_ids) == 8 for c in greedy_alone)
+    with pytest.raises(ValueError, match=r"extra_args\['return_sampling_mask'\] must be a bool"):
+        llm.generate(["Hello"], SamplingParams(temperature=1.0, top_k=4, max_tokens=2,
+                                               extra_args={"return_sampling_mask": "no"}))
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [
@@ -137,6 +166,22 @@ def test_without_the_top_p_only_setting_top_k_is_required(top_k) -> None:
     with pytest.raises(VLLMValidationError, match="top_p < 1") as info:
         check_sampling_params(SamplingParams(temperature=1.0, top_k=top_k or 0), allow_top_p_only=True)
     assert info.value.parameter == "top_p"
+
+
+def test_the_request_key_is_a_bool_and_needs_the_switch() -> None:
+    from vllm import SamplingParams
+
+    from vllm_sampling_mask.engine.input_processor import check_request_key
+
+    def params(value: object) -> SamplingParams:
+        return SamplingParams(extra_args={"return_sampling_mask": value})
+
+    check_request_key(params(False), engine_enabled=False)  # opting out is always fine
+    check_request_key(params(True), engine_enabled=True)
+    with pytest.raises(ValueError, match="started without return_sampling_mask"):
+        check_request_key(params(True), engine_enabled=False)
+    with pytest.raises(ValueError, match="must be a bool, got 1"):
+        check_request_key(params(1), engine_enabled=True)
 
 
 def test_beam_search_is_rejected(llm) -> None:

@@ -134,3 +134,35 @@ def test_top_p_only_rows_wider_than_the_copy_width(gpu_llm) -> None:
         widest = max(widest, int(lengths.max()))
     print(f"GPU_TOP_P_ONLY requests={len(completions)} widest_row={widest}", flush=True)
     assert widest > 4096, "no row exercised the bitmap path"
+
+
+def test_opted_out_requests_in_a_batch_of_64(gpu_llm) -> None:
+    """Every other request opts out (greedy or without top_k: not checked, no mask); the others
+    keep the contract. Then a batch of only opted-out requests (no capture at all)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(2)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(100, 8000) for _ in range(32)])
+               for _ in range(64)]
+    out = {"return_sampling_mask": False}
+    choices = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, logprobs=1, max_tokens=32,
+                              ignore_eos=True),
+               SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, extra_args=out),
+               SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, extra_args=out)]
+    params = [choices[0] if i % 2 == 0 else choices[1 + (i // 2) % 2] for i in range(64)]
+    outputs = gpu_llm.generate(prompts, params, use_tqdm=False)
+    violations = {}
+    for i, (output, p) in enumerate(zip(outputs, params)):
+        (completion,) = output.outputs
+        assert len(completion.token_ids) == 32
+        if p.extra_args == out:
+            assert completion.sampling_mask is None, i
+        elif problems := check_completion(completion, with_logprobs=True):
+            violations[i] = problems
+    assert not violations, dict(list(violations.items())[:5])
+    alone = gpu_llm.generate(prompts[:8], params[1:9:2] * 2, use_tqdm=False)
+    assert all(o.outputs[0].sampling_mask is None and len(o.outputs[0].token_ids) == 32
+               for o in alone)
+    print(f"GPU_OPT_OUT masked={sum(p.extra_args != out for p in params)} opted_out="
+          f"{sum(p.extra_args == out for p in params)}", flush=True)

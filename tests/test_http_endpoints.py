@@ -272,6 +272,21 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(client, vocab_size, p
         assert mask_problems(choice["token_ids"], choice["sampling_mask"], vocab_size) == []
 
 
+def test_requests_without_masks_are_not_checked(client) -> None:
+    """On a mask server, requests that don't ask for masks are vLLM's: greedy and without top_k
+    they are served (not a 400), with no mask."""
+    greedy = {"temperature": 0.0, "top_k": None, "top_p": None}
+    for path, make in (("/v1/completions", completion_body), ("/v1/chat/completions", chat_body)):
+        body = {k: v for k, v in make(n=1, **greedy).items() if v is not None}
+        for choice in post(client, path, body)["choices"]:
+            assert "sampling_mask" not in choice
+    body = tito_body(return_sampling_mask=False)
+    body["sampling_params"] = {k: v for k, v in {**body["sampling_params"], **greedy}.items()
+                               if v is not None}
+    for choice in post(client, "/inference/v1/generate", body)["choices"]:
+        assert choice["token_ids"] and choice.get("sampling_mask") is None
+
+
 # ------------------------------------------------------------------ dropped streams
 
 

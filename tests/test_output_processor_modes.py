@@ -458,3 +458,21 @@ def test_switch_on_tokens_without_rows_raise(
     add(processor, "a", CUMULATIVE)
     with pytest.raises(RuntimeError, match=r"sampling mask of request a has 0 rows for 1 tokens"):
         process(processor, FakeEngineCore(with_masks=False).output("a", text_tokens[:1]))
+
+
+def test_opted_out_request_keeps_vllms_state_and_gets_no_mask(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """``extra_args["return_sampling_mask"] = False`` on a mask engine: vLLM's request state (no
+    row list, no per-output wrapper) and no mask; the engine core sends it no rows."""
+    processor = make_processor(tokenizer)
+    add(processor, "out", CUMULATIVE, extra_args={"return_sampling_mask": False})
+    add(processor, "in", CUMULATIVE)
+    assert type(processor.request_states["out"]) is RequestState
+    assert type(processor.request_states["in"]) is not RequestState
+    engine = FakeEngineCore()
+    opted_out = engine_core_output("out", text_tokens[:1])  # no row: None on the wire
+    outputs = process(processor, opted_out, engine.output("in", text_tokens[:1]))
+    by_id = {o.request_id: o.outputs[0] for o in outputs}
+    assert by_id["out"].sampling_mask is None
+    assert by_id["in"].sampling_mask.token_ids == engine.sent_rows["in"]

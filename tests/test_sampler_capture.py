@@ -1,4 +1,5 @@
-"""Sampler-side decisions: the compact width, the overflow path, FlashInfer off (no engine)."""
+"""Sampler-side decisions: the compact width, the overflow path, FlashInfer off, requests that
+opt out (no engine)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,20 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from vllm_sampling_mask.worker.sampler import SamplingMaskCapture, attach_capture, tie_slack
-from vllm_sampling_mask.worker.step_masks import WIDE_UNPACK_WIDTH, fetch_rows
+from vllm_sampling_mask.worker.sampler import (
+    SamplingMaskCapture,
+    attach_capture,
+    tie_slack,
+    wrap_add_request,
+    wrap_sample,
+)
+from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, WIDE_UNPACK_WIDTH, fetch_rows
 
 
-def fake_sampler(vocab_size: int) -> SimpleNamespace:
-    return SimpleNamespace(use_flashinfer=True, sampling_states=SimpleNamespace(vocab_size=vocab_size))
+def fake_sampler(vocab_size: int, max_num_reqs: int = 8) -> SimpleNamespace:
+    top_k = SimpleNamespace(np=np.full(max_num_reqs, vocab_size, dtype=np.int32))
+    return SimpleNamespace(use_flashinfer=True, sampling_states=SimpleNamespace(
+        vocab_size=vocab_size, max_num_reqs=max_num_reqs, top_k=top_k))
 
 
 def fake_config(enabled: bool, **extra) -> SimpleNamespace:
@@ -25,6 +34,40 @@ def test_capture_turns_the_flashinfer_sampler_off() -> None:
     assert sampler.use_flashinfer is False
     capture = sampler.__dict__["sampling_mask_capture"]
     assert (capture.max_width, capture.vocab_size) == (64, 1000)
+    assert capture.use_flashinfer is True  # vLLM's choice, for steps that capture nothing
+
+
+def test_opted_out_rows_are_left_out_and_steps_without_masks_keep_vllms_sampler() -> None:
+    vocab = 1000
+    sampler = fake_sampler(vocab)
+    attach_capture(sampler, fake_config(True))
+    flashinfer_seen: list[bool] = []
+
+    def sample(self, logits, expanded_idx_mapping, idx_mapping_np, *args, **kwargs):
+        flashinfer_seen.append(self.use_flashinfer)
+        return None, logits
+
+    add_request = wrap_add_request(lambda self, req_idx, prompt_len, params: None)
+    sample = wrap_sample(sample)
+    add_request(sampler, 2, 5, SimpleNamespace(extra_args=None))  # default: wants masks
+    add_request(sampler, 5, 5, SimpleNamespace(extra_args={"return_sampling_mask": False}))
+    sampler.sampling_states.top_k.np[[2, 5]] = [3, vocab]  # slot 5: no top_k (vocabulary size)
+    logits = torch.full((2, vocab), float("-inf"))
+    logits[0, [7, 8, 9]] = 0.0
+    logits[1] = 0.0  # the opted-out row keeps the whole vocabulary
+
+    sample(sampler, logits, None, np.array([2, 5]))
+    step = sampler.__dict__.pop("_sampling_mask_pending")
+    # The width follows the wanting row (3 + slack), not the opted-out row's vocabulary.
+    assert step.support.ids.shape == (2, 3 + tie_slack(3)) and not step.overflow_expected
+    assert flashinfer_seen[-1] is False
+    rows = step.copy_to_host_nonblocking().unpack(np.ones(2, dtype=np.int32)).rows
+    assert rows[0] == np.array([7, 8, 9], dtype="<i4").tobytes() and rows[1] is None
+
+    sample(sampler, logits[1:], None, np.array([5]))  # only opted-out requests in this step
+    assert sampler.__dict__.pop("_sampling_mask_pending") is NO_MASKS_WANTED
+    assert flashinfer_seen[-1] is True  # vLLM's own choice of sampler
+    assert NO_MASKS_WANTED.copy_to_host_nonblocking().unpack(np.ones(1)).rows == [None]
 
 
 def test_switch_off_leaves_the_sampler_alone() -> None:

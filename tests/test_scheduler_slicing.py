@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -445,3 +446,21 @@ def test_switch_off_outputs_carry_no_mask_and_are_otherwise_identical(
             assert (on_fields.pop("sampling_mask") is not None) == bool(off_output.new_token_ids)
             assert on_fields == off_fields
     assert on.requests == off.requests == {}
+
+
+def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig]) -> None:
+    """A ``None`` row (the worker's mark for a request that opted out of masks) gives that
+    request's output no mask; the other request of the step keeps its row."""
+    scheduler = build_scheduler(configs[True])
+    add_request(scheduler, "a", 5, max_tokens=3)
+    add_request(scheduler, "b", 5, max_tokens=3)
+    scheduler_output = scheduler.schedule()
+    model_runner_output = ModelRunnerOutput(
+        req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[11], [12]]
+    )
+    model_runner_output.sampling_masks = StepSamplingMasks(
+        [np.array([3, 11], dtype="<i4").tobytes(), None])
+    outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+    by_id = {o.request_id: o for o in outputs[0].outputs}
+    assert by_id["a"].sampling_mask == np.array([3, 11], dtype="<i4").tobytes()
+    assert by_id["b"].sampling_mask is None

@@ -13,6 +13,12 @@ Keys (all optional; the CLI flag and the ``LLM``/``EngineArgs`` keyword write th
     nucleus then bounds the kept set. Such rows can be thousands of ids wide (flat
     distributions), so every step of a batch holding one copies W ids per row plus the
     ``[rows, V / 32]`` bitmap: W is ``sampling_mask_max_width``.
+
+Per request, ``SamplingParams.extra_args["return_sampling_mask"]`` (bool, default True on an engine
+whose switch is on): ``False`` opts that request out. It is then neither checked (greedy, no
+top_k: anything vLLM accepts), nor compacted, copied or sent, and its outputs carry no mask; a
+batch of only such requests runs vLLM's own sampler (FlashInfer where vLLM would use it). The
+HTTP endpoints set it from their request fields.
 """
 
 from __future__ import annotations
@@ -25,6 +31,15 @@ MAX_WIDTH_KEY = "sampling_mask_max_width"
 TOP_P_ONLY_KEY = "sampling_mask_allow_top_p_only"
 DEFAULT_MAX_WIDTH = 4096
 REQUIRED_LOGPROBS_MODE = "processed_logprobs"
+REQUEST_KEY = "return_sampling_mask"
+"""Key of ``SamplingParams.extra_args`` by which one request opts in (True) or out (False)."""
+
+
+def request_wants_masks(params: Any) -> bool:
+    """Whether a request's ``SamplingParams`` asks for masks on an engine whose switch is on
+    (anything but an explicit ``extra_args["return_sampling_mask"] = False`` does)."""
+    extra_args = params.extra_args
+    return not extra_args or extra_args.get(REQUEST_KEY) is not False
 
 
 @dataclass(frozen=True)

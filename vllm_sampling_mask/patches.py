@@ -75,6 +75,13 @@ PATCHES: list[Patch] = [
         process="worker",
     ),
     Patch(
+        target="vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
+        make=f"{_P}.worker.sampler:wrap_add_request",
+        why="Remember per request slot whether it wants masks (extra_args opt-out), so steps "
+        "skip opted-out rows, and steps without any keep vLLM's sampler.",
+        process="worker",
+    ),
+    Patch(
         target="vllm.v1.worker.gpu.sample.sampler:Sampler.sample",
         make=f"{_P}.worker.sampler:wrap_sample",
         why="The processed logits after top-k/top-p exist only here: compact them (Triton).",

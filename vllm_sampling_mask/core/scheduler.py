@@ -4,7 +4,8 @@
 max_model_len) and drops stale async frames; it always keeps a *prefix* of the step's sampled
 tokens. So the rows of an output are the first ``len(new_token_ids)`` rows of its request's batch
 row: with one sampled token per request per step (speculative decoding is rejected at start),
-one row or none. Partial prefill chunks produce no tokens and so no rows.
+one row or none. Partial prefill chunks produce no tokens and so no rows; requests that opted
+out of masks have a ``None`` row and their outputs carry none.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def wrap_update_from_output(original: Any) -> Any:
                         f"{num_new} token(s) but {'no masks' if step is None else 'one row'}. "
                         "This is a bug in vllm-sampling-mask; please report it."
                     )
-                output.sampling_mask = row_bytes[index[output.request_id]]
+                output.sampling_mask = row_bytes[index[output.request_id]]  # None: opted out
         return outputs
 
     return update_from_output

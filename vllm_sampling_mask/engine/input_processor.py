@@ -3,7 +3,9 @@
 With masks on, a request must describe a distribution whose support is bounded: temperature > 0
 (greedy has no distribution to replay) and top_k > 0 (bounds every row's width), or, on an engine
 that allows it (``sampling_mask_allow_top_p_only``), no top_k and top_p < 1. A violation is a
-``ValueError`` for that request only (HTTP 400 in the server); the engine keeps serving.
+``ValueError`` for that request only (HTTP 400 in the server); the engine keeps serving. A request
+that opts out (``extra_args["return_sampling_mask"] = False``) is not checked; one that opts in
+on an engine without the switch is refused.
 """
 
 from __future__ import annotations
@@ -12,7 +14,12 @@ import functools
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from vllm_sampling_mask.config import TOP_P_ONLY_KEY, SamplingMaskConfig
+from vllm_sampling_mask.config import (
+    REQUEST_KEY,
+    TOP_P_ONLY_KEY,
+    SamplingMaskConfig,
+    request_wants_masks,
+)
 
 _SWITCH = "the engine returns sampling masks (--return-sampling-mask)"
 
@@ -47,6 +54,25 @@ def check_sampling_params(params: Any, allow_top_p_only: bool = False) -> None:
         )
 
 
+def check_request_key(params: Any, engine_enabled: bool) -> None:
+    """Raise ``VLLMValidationError`` if ``extra_args["return_sampling_mask"]`` is not a bool, or
+    is True on an engine whose switch is off."""
+    from vllm.exceptions import VLLMValidationError
+
+    asked = (params.extra_args or {}).get(REQUEST_KEY)
+    if asked is not None and not isinstance(asked, bool):
+        raise VLLMValidationError(
+            f"extra_args[{REQUEST_KEY!r}] must be a bool, got {asked!r}.",
+            parameter=REQUEST_KEY, value=asked,
+        )
+    if asked and not engine_enabled:
+        raise VLLMValidationError(
+            f"extra_args[{REQUEST_KEY!r}] asks for sampling masks, but this engine was started "
+            "without return_sampling_mask=True (--return-sampling-mask).",
+            parameter=REQUEST_KEY, value=asked,
+        )
+
+
 def _mask_config(holder: Any, vllm_config: Any) -> SamplingMaskConfig:
     config = holder.__dict__.get("_sampling_mask_config")
     if config is None:
@@ -63,7 +89,9 @@ def wrap_validate_params(original: Any) -> Any:
         original(self, params, *args, **kwargs)
         if isinstance(params, SamplingParams):
             config = _mask_config(self, self.vllm_config)
-            if config.enabled:
+            if params.extra_args:
+                check_request_key(params, config.enabled)
+            if config.enabled and request_wants_masks(params):
                 check_sampling_params(params, config.allow_top_p_only)
 
     return _validate_params

@@ -14,6 +14,7 @@ import functools
 from typing import Any
 
 from vllm_sampling_mask import patching
+from vllm_sampling_mask.config import request_wants_masks
 from vllm_sampling_mask.engine.transport import rows_mask
 from vllm_sampling_mask.outputs import SamplingMask
 
@@ -69,12 +70,13 @@ def mask_rows_of(state: Any) -> RequestMaskRows:
 
 def wrap_add_request(original: Any) -> Any:
     """``OutputProcessor.add_request``: give each new request state of a mask engine its row
-    list."""
+    list, unless the request opted out."""
 
     @functools.wraps(original)
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
         original(self, request, *args, **kwargs)
-        if self.__dict__.get(_ENABLED_ATTR):
+        params = request.sampling_params
+        if self.__dict__.get(_ENABLED_ATTR) and params is not None and request_wants_masks(params):
             state = self.request_states.get(request.request_id)
             if state is not None:
                 mask_rows_of(state)

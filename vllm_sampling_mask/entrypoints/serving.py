@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
-from vllm_sampling_mask.config import SamplingMaskConfig
+from vllm_sampling_mask.config import REQUEST_KEY, SamplingMaskConfig
 from vllm_sampling_mask.entrypoints.mask_fields import DISABLED, MaskOptions
 
 _options: ContextVar[MaskOptions] = ContextVar("vllm_sampling_mask_http_options", default=DISABLED)
@@ -68,6 +68,17 @@ def rows_of(output: Any) -> list[list[int]]:
     return rows
 
 
+def tell_engine(request: Any, wants_masks: bool) -> None:
+    """Carry one HTTP request's choice into the ``SamplingParams.extra_args`` vLLM builds for it
+    (``GenerateRequest.sampling_params``; ``vllm_xargs`` of the OpenAI requests), so that a
+    request without masks is neither checked nor captured by the engine."""
+    params = getattr(request, "sampling_params", None)
+    if params is not None:
+        params.extra_args = {**(params.extra_args or {}), REQUEST_KEY: wants_masks}
+    elif hasattr(request, "vllm_xargs"):
+        request.vllm_xargs = {**(request.vllm_xargs or {}), REQUEST_KEY: wants_masks}
+
+
 def bad_request(serving: Any, exc: Any) -> Any:
     """vLLM's HTTP 400 ``ErrorResponse`` for a ``MaskFieldError`` (names the parameter)."""
     return serving.create_error_response(str(exc), param=exc.parameter)
@@ -76,7 +87,9 @@ def bad_request(serving: Any, exc: Any) -> Any:
 async def serve_with_options(options: MaskOptions, original: Callable[..., Any], serving: Any,
                              *args: Any, **kwargs: Any) -> Any:
     """Await an entry method (``create_*``, ``serve_tokens``) with the request's mask options
-    current; a request without masks gets vLLM's call untouched."""
+    current; a request without masks gets vLLM's call (on a mask server, opted out first)."""
+    if engine_masks_enabled(serving):
+        tell_engine(args[0], options.enabled)
     if not options.enabled:
         return await original(serving, *args, **kwargs)
     with request_options(options):

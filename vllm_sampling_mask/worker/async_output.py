@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vllm_sampling_mask.worker.step_masks import HostStepMasks
+from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, HostStepMasks, NoStepMasks
 
 _HOST_ATTR = "_sampling_mask_host"
 
@@ -32,7 +32,9 @@ def wrap_init(original: Any) -> Any:
         **kwargs: Any,
     ) -> None:
         device_masks = getattr(sampler_output, "sampling_mask", None)
-        if device_masks is not None:
+        if device_masks is NO_MASKS_WANTED:
+            self.__dict__[_HOST_ATTR] = NO_MASKS_WANTED  # nothing to copy
+        elif device_masks is not None:
             with stream(copy_stream, main_stream):
                 copy_stream.wait_stream(main_stream)
                 self.__dict__[_HOST_ATTR] = device_masks.copy_to_host_nonblocking()
@@ -50,7 +52,7 @@ def wrap_get_output(original: Any) -> Any:
     @functools.wraps(original)
     def get_output(self: Any) -> Any:
         output = original(self)  # waits on the copy event
-        host: HostStepMasks | None = self.__dict__.pop(_HOST_ATTR, None)
+        host: HostStepMasks | NoStepMasks | None = self.__dict__.pop(_HOST_ATTR, None)
         if host is not None:
             output.sampling_masks = host.unpack(self.num_sampled_tokens_np)
         return output

@@ -3,7 +3,10 @@
 ``Sampler.sample`` returns the processed logits after every transform vLLM applies (logit bias,
 penalties, bad words, temperature, min-p, top-k/top-p; grammar masks come earlier), so that is
 where we compact. The FlashInfer sampler never materialises the filtered logits (its
-"processed" logits are the pre-top-k ones), so a sampler that captures masks never uses it.
+"processed" logits are the pre-top-k ones), so a step that captures masks never uses it. The
+sampler remembers which of its requests opted out (``extra_args["return_sampling_mask"] = False``):
+their rows are left out of the width and of the host copy's rows, and a step with none that
+wants masks runs vLLM's sampler as it is (FlashInfer included) with no capture.
 """
 
 from __future__ import annotations
@@ -14,23 +17,35 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_sampling_mask.config import SamplingMaskConfig
+from vllm_sampling_mask.config import SamplingMaskConfig, request_wants_masks
 from vllm_sampling_mask.worker.compaction import compact_support
-from vllm_sampling_mask.worker.step_masks import DeviceStepMasks
+from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, DeviceStepMasks
 
 _CAPTURE_ATTR = "sampling_mask_capture"
 _PENDING_ATTR = "_sampling_mask_pending"
 
 
 class SamplingMaskCapture:
-    """Per-sampler capture settings; ``compact`` launches the kernel (no host sync)."""
+    """Per-sampler capture settings and state; ``compact`` launches the kernel (no host sync).
 
-    def __init__(self, max_width: int, vocab_size: int):
+    wants_masks: ``[max_num_reqs]`` bool, by vLLM's request slot: whether that request wants
+    masks (set at ``Sampler.add_request``).
+    use_flashinfer: what vLLM chose for this sampler; used by steps that capture nothing.
+    """
+
+    def __init__(self, max_width: int, vocab_size: int, max_num_reqs: int = 0,
+                 use_flashinfer: bool = False):
         self.max_width = max_width
         self.vocab_size = vocab_size
+        self.wants_masks = np.ones(max_num_reqs, dtype=bool)
+        self.use_flashinfer = use_flashinfer
 
-    def compact(self, processed_logits: torch.Tensor, top_k_np: np.ndarray) -> DeviceStepMasks:
-        """``processed_logits`` ``[R, V]``; ``top_k_np`` ``[R]`` host-side per-request top_k."""
+    def compact(self, processed_logits: torch.Tensor, top_k_np: np.ndarray,
+                row_wants: np.ndarray | None = None) -> DeviceStepMasks:
+        """``processed_logits`` ``[R, V]``; ``top_k_np`` ``[R]`` host-side per-request top_k;
+        ``row_wants`` ``[R]`` bool, the rows that want masks (None: all)."""
+        if row_wants is not None:
+            top_k_np = top_k_np[row_wants]  # opted-out rows (any top_k) don't set the width
         # vLLM stores "no top_k" as the vocabulary size, so the batch's largest top_k bounds
         # every row except for ties at the top-k boundary. Those are common (bf16 logits; an
         # H200 engine at batch 256 had a row over top_k in 126 of 131 steps), and a row over
@@ -39,7 +54,7 @@ class SamplingMaskCapture:
         width = max(1, min(max_top_k + tie_slack(max_top_k), processed_logits.shape[1],
                            self.max_width))
         support = compact_support(processed_logits, width)
-        return DeviceStepMasks(support, overflow_expected=max_top_k > width)
+        return DeviceStepMasks(support, overflow_expected=max_top_k > width, row_wants=row_wants)
 
 
 def tie_slack(top_k: int) -> int:
@@ -52,10 +67,11 @@ def attach_capture(sampler: Any, vllm_config: Any) -> None:
     config = SamplingMaskConfig.of(vllm_config)
     if not config.enabled or sampler is None:
         return
-    sampler.use_flashinfer = False
+    states = sampler.sampling_states
     sampler.__dict__[_CAPTURE_ATTR] = SamplingMaskCapture(
-        config.max_width, sampler.sampling_states.vocab_size
+        config.max_width, states.vocab_size, states.max_num_reqs, sampler.use_flashinfer
     )
+    sampler.use_flashinfer = False
 
 
 def wrap_load_model(original: Any) -> Any:
@@ -70,8 +86,21 @@ def wrap_load_model(original: Any) -> Any:
     return load_model
 
 
+def wrap_add_request(original: Any) -> Any:
+    """``Sampler.add_request``: remember whether the request in that slot wants masks."""
+
+    @functools.wraps(original)
+    def add_request(self: Any, req_idx: int, prompt_len: int, sampling_params: Any) -> None:
+        original(self, req_idx, prompt_len, sampling_params)
+        capture = self.__dict__.get(_CAPTURE_ATTR)
+        if capture is not None:
+            capture.wants_masks[req_idx] = request_wants_masks(sampling_params)
+
+    return add_request
+
+
 def wrap_sample(original: Any) -> Any:
-    """``Sampler.sample``: compact the processed logits it returns."""
+    """``Sampler.sample``: compact the processed logits it returns (rows that want masks)."""
 
     @functools.wraps(original)
     def sample(
@@ -82,13 +111,21 @@ def wrap_sample(original: Any) -> Any:
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        capture = self.__dict__.get(_CAPTURE_ATTR)
+        if capture is None:
+            return original(self, logits, expanded_idx_mapping, idx_mapping_np, *args, **kwargs)
+        row_wants = capture.wants_masks[idx_mapping_np]
+        any_wants = bool(row_wants.any())
+        self.use_flashinfer = capture.use_flashinfer and not any_wants
         sampled, processed_logits = original(
             self, logits, expanded_idx_mapping, idx_mapping_np, *args, **kwargs
         )
-        capture = self.__dict__.get(_CAPTURE_ATTR)
-        if capture is not None:
+        if not any_wants:
+            self.__dict__[_PENDING_ATTR] = NO_MASKS_WANTED
+        else:
             top_k_np = self.sampling_states.top_k.np[idx_mapping_np]
-            self.__dict__[_PENDING_ATTR] = capture.compact(processed_logits, top_k_np)
+            self.__dict__[_PENDING_ATTR] = capture.compact(
+                processed_logits, top_k_np, None if row_wants.all() else row_wants)
         return sampled, processed_logits
 
     return sample

@@ -15,13 +15,14 @@ from vllm_sampling_mask.worker.compaction import CompactSupport
 class StepSamplingMasks:
     """The kept ids of every row (request) of one step, on the host.
 
-    rows: ``R`` bytes objects; row ``r`` holds its ascending kept ids as little-endian int32
+    rows: ``R`` entries; row ``r`` holds its ascending kept ids as little-endian int32 bytes
           (``4 * n`` bytes for ``n`` ids: the wire format of one output's row), ``b""`` for
-          rows that sampled nothing (partial prefill chunks). The engine core hands each
-          request its row as is, so a step costs one bytes object per row and no decoding.
+          rows that sampled nothing (partial prefill chunks), ``None`` for requests that opted
+          out of masks. The engine core hands each request its row as is, so a step costs one
+          bytes object per row and no decoding.
     """
 
-    rows: list[bytes]
+    rows: list[bytes | None]
 
     @classmethod
     def from_id_lists(cls, rows: Sequence[Sequence[int]]) -> StepSamplingMasks:
@@ -33,8 +34,22 @@ class StepSamplingMasks:
         return np.frombuffer(self.rows[index], dtype="<i4")
 
     def row_lengths(self) -> list[int]:
-        """Number of ids of every row."""
-        return [len(row) >> 2 for row in self.rows]
+        """Number of ids of every row (0 for opted-out rows)."""
+        return [len(row or b"") >> 2 for row in self.rows]
+
+
+class NoStepMasks:
+    """A step in which no request wants masks: nothing was captured or copied."""
+
+    def copy_to_host_nonblocking(self) -> NoStepMasks:
+        return self
+
+    def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
+        """Every row ``None`` (``num_sampled`` ``[R]``)."""
+        return StepSamplingMasks([None] * len(num_sampled))
+
+
+NO_MASKS_WANTED = NoStepMasks()
 
 
 # Up to this width, unpacking copies the whole [R, 1 + W] buffer once and slices each row's bytes
@@ -71,10 +86,13 @@ class DeviceStepMasks:
 
     ``overflow_expected`` is known on the host from the requests' top_k (some top_k exceeds the
     width): the whole bitmap is then copied with the ids instead of being fetched afterwards.
+    ``row_wants`` (``[R]`` bool, None: all rows) marks the rows whose requests want masks; the
+    others were compacted with the batch but are never read.
     """
 
     support: CompactSupport
     overflow_expected: bool
+    row_wants: np.ndarray | None = None
 
     def copy_to_host_nonblocking(self) -> HostStepMasks:
         """Issue device->host copies on the current stream (the caller's copy stream)."""
@@ -93,12 +111,15 @@ class HostStepMasks:
 
     def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
         """Every row's bytes; ``num_sampled`` ``[R]`` int, rows with 0 sampled tokens yield
-        ``b""``."""
+        ``b""``, rows of requests that opted out ``None``."""
         packed = self.packed.numpy().astype("<i4", copy=False)  # a view on little-endian hosts
         num_rows, row_words = packed.shape
         width = row_words - 1
         counts = packed[:, 0].copy()
         counts[np.asarray(num_sampled[:num_rows]) == 0] = 0
+        row_wants = self.device.row_wants
+        if row_wants is not None:
+            counts[~row_wants] = 0  # never read: any width, even the whole vocabulary
         overflow = np.flatnonzero(counts > width)
         np.minimum(counts, width, out=counts)  # overflow rows are replaced below
         stride = 4 * row_words
@@ -113,9 +134,12 @@ class HostStepMasks:
             rows = [bytes(view[start : start + 4 * n]) for start, n in zip(starts, counts.tolist())]
         if overflow.size:
             self._read_overflow_rows(rows, overflow)
+        if row_wants is not None:
+            for r in np.flatnonzero(~row_wants).tolist():
+                rows[r] = None
         return StepSamplingMasks(rows)
 
-    def _read_overflow_rows(self, rows: list[bytes], overflow: np.ndarray) -> None:
+    def _read_overflow_rows(self, rows: list[bytes | None], overflow: np.ndarray) -> None:
         """Replace ``rows[r]`` for every ``r`` in ``overflow`` (rows wider than W) with its ids
         read from the bitmap."""
         vocab_size = self.device.support.vocab_size
