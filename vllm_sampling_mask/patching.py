@@ -6,8 +6,8 @@ why. ``apply_patches`` installs each patch as soon as its module is imported (an
 defers patches whose module is not imported yet), exactly once per process: applying again is a
 no-op, so every process may call it from any plugin entry point. A *scoped* patch is resolved and
 checked the same way but bound only where a mask engine needs it: inside a ``scoped_patch`` block,
-or on one object (``patch_instance``), so a per-output hot path costs nothing with the switch off. ``revert_patches`` restores the originals (tests use
-it).
+or on one object (``patch_instance``), so a per-output hot path costs nothing with the switch
+off. ``revert_patches`` restores the originals (tests use it).
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ class Patch:
     ``also_bound_in`` lists other modules that did ``from module import attr`` and whose binding
     must be replaced too. ``adds`` marks a new attribute (``make`` then receives ``None``).
     ``scoped`` keeps vLLM's object bound except inside ``scoped_patch(target)`` or, for a method,
-    on the objects given to ``patch_instance(target, obj)``. ``process`` says
-    where the patch matters (documentation and tests).
+    on the objects given to ``patch_instance(target, obj)``. ``process`` says where the patch
+    matters (documentation and tests).
     """
 
     target: str

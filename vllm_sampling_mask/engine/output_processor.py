@@ -98,7 +98,9 @@ def wrap_process_outputs(original: Any) -> Any:
                 state = states.get(output.request_id)
                 if state is None:
                     continue
-                holder = state.__dict__.get(_ROWS_ATTR) or mask_rows_of(state)
+                holder = state.__dict__.get(_ROWS_ATTR)
+                if holder is None:
+                    holder = mask_rows_of(state)
                 holder.pending.append(row)
         return original(self, engine_core_outputs, *args, **kwargs)
 
