@@ -103,12 +103,9 @@ def setup_environment(small: bool) -> None:
     """Before vLLM is imported: the CPU test platform for ``--small`` (Triton interpreter)."""
     if not small:
         return
-    try:
-        from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-        from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
-    os.environ.update(cpu_test_env())
+    from testing_support import testing_module
+
+    os.environ.update(testing_module("cpu_platform").cpu_test_env())
 
 
 def plugins_without_ours() -> str:

@@ -111,12 +111,9 @@ def server_environment(small: bool) -> dict[str, str]:
     """The server's environment: ours, plus the CPU test platform of ``tests/support`` if small."""
     env = dict(os.environ)
     if small:
-        try:
-            from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
-        except ImportError:
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-            from vllm_sampling_mask_testing.cpu_platform import cpu_test_env
-        env.update(cpu_test_env())
+        from testing_support import testing_module
+
+        env.update(testing_module("cpu_platform").cpu_test_env())
     return env
 
 

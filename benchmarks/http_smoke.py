@@ -35,11 +35,10 @@ from typing import Any
 
 from vllm_sampling_mask.compact_format import decode_compact
 
-try:
-    from vllm_sampling_mask_testing.serve import free_port, serve_process
-except ImportError:  # the support package is not installed (e.g. on the GPU machine)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-    from vllm_sampling_mask_testing.serve import free_port, serve_process
+from testing_support import testing_module
+
+free_port = testing_module("serve").free_port
+serve_process = testing_module("serve").serve_process
 
 PROMPT_IDS = [100, 200, 300, 400, 500, 600, 700, 800, 900, 999]  # in any vocabulary
 
