@@ -4,9 +4,10 @@ One ``vllm serve MODEL --return-sampling-mask --logprobs-mode processed_logprobs
 background (started and stopped as ``http_smoke.py`` does; standard library HTTP only, one
 connection per request). Per request mode, on that one server:
 
-- ``off``:     ``"return_sampling_mask": false`` (the engine switch is server-wide, so the engine
-  still computes the masks: the difference to ``off`` is the API server's response building and
-  the wire; ``bench_engine_throughput.py`` measures the engine);
+- ``off``:     ``"return_sampling_mask": false``: the request opts out of masks in the engine too
+  (not captured, no rows on the wire), so ``json``/``compact`` vs ``off`` is the whole cost of
+  masks for that traffic (rounds are one mode at a time: an ``off`` round's batches hold no
+  request that wants masks);
 - ``json``:    the endpoint's default on this server, rows as ``list[list[int]]``;
 - ``compact``: ``"sampling_mask_format": "compact"`` (``csr-delta-varint-base64``).
 
@@ -25,7 +26,8 @@ mask. Exit status 1 on any violation or failed request::
     python3 benchmarks/bench_http_throughput.py /root/models/qwen3-0.6b --out bench_out/http.json  # H200
     python benchmarks/bench_http_throughput.py --small --out bench_out/http_throughput_small.json  # CPU smoke
 
-(On the lent H200, one ``--concurrency`` per 10-minute call: eager, C=1 alone takes ~6 min.)
+(On the lent H200: eager, C=1 alone takes ~6 min; compiled (``--no-enforce-eager``), C=1 and 64
+with 2 rounds took 4 min together, rounds of one mode spreading by up to 30%: 4 rounds by default.)
 
 ``--small`` builds the tiny model of ``vllm_sampling_mask.tiny_model`` and starts the server with
 the CPU-platform environment of ``tests/support`` (Triton interpreter): the numbers mean nothing.
@@ -60,7 +62,7 @@ MODES: dict[str, dict[str, Any]] = {
     "compact": {"sampling_mask_format": "compact"},
 }
 PROMPT_ID_RANGE = (10, 2000)  # above the special tokens, inside any vocabulary
-FULL = {"concurrency": [1, 64], "max_tokens": 256, "prompt_len": 128, "rounds": 2,
+FULL = {"concurrency": [1, 64], "max_tokens": 256, "prompt_len": 128, "rounds": 4,
         "warmup_tokens": 16}
 SMALL = {"concurrency": [1, 4], "max_tokens": 8, "prompt_len": 16, "rounds": 2, "warmup_tokens": 4}
 SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.95, "ignore_eos": True}
