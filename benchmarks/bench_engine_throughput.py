@@ -1,12 +1,15 @@
 """Offline ``LLM.generate`` output throughput with sampling masks off and on, one model.
 
 Engines are built one after the other in this process (each shut down and its GPU memory
-awaited before the next), in the order stock, off, on:
+awaited before the next), in the order stock, off, on, optout:
 
 - ``off``:   the plugin installed, the engine switch off (vLLM's own sampler; FlashInfer where
   ``VLLM_USE_FLASHINFER_SAMPLER`` and an installed ``flashinfer`` allow it, else vLLM's Triton
   top-k/top-p + Gumbel sampler), default ``logprobs_mode``;
 - ``on``:    ``LLM(..., return_sampling_mask=True, logprobs_mode="processed_logprobs")``;
+- ``optout`` (only if asked): the ``on`` engine's settings, every request opted out
+  (``extra_args={"return_sampling_mask": False}``): what a mask engine costs the requests that
+  don't ask (no mask is returned; the target is optout/off = 1);
 - ``stock`` (only if asked): the plugin not loaded at all (``VLLM_PLUGINS`` without it), always
   in a subprocess.
 
@@ -44,7 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-CONFIG_ORDER = ("stock", "off", "on")
+CONFIG_ORDER = ("stock", "off", "on", "optout")
 DEFAULT_MODEL = "/root/models/qwen3-0.6b"
 SMALL_MODEL_DIR = Path(tempfile.gettempdir()) / "vllm_sampling_mask_bench" / "tiny_model"
 FULL = dict(batch_sizes=[1, 64, 256], output_len=256, prompt_len=128, reps=3, warmup_len=16)
@@ -64,7 +67,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="Write the results as JSON here.")
     parser.add_argument("--model", help=f"Default {DEFAULT_MODEL} (--small: a tiny local model).")
     parser.add_argument("--configs", default="off,on",
-                        help="Comma list of stock, off, on (default off,on).")
+                        help="Comma list of stock, off, on, optout (default off,on).")
     parser.add_argument("--batch-sizes", type=int_list, help=f"Default {FULL['batch_sizes']}.")
     parser.add_argument("--output-len", type=int, help=f"Default {FULL['output_len']}.")
     parser.add_argument("--prompt-len", type=int, help=f"Default {FULL['prompt_len']}.")
@@ -197,7 +200,7 @@ class EngineUnderTest:
         )
         if gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        if name == "on":
+        if name in ("on", "optout"):
             kwargs.update(return_sampling_mask=True, logprobs_mode="processed_logprobs")
         began = time.perf_counter()
         self.llm = LLM(**kwargs)
@@ -212,8 +215,10 @@ class EngineUnderTest:
         from vllm import SamplingParams
 
         a = self.args
+        extra_args = {"return_sampling_mask": False} if self.name == "optout" else None
         return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                              max_tokens=max_tokens, ignore_eos=True, logprobs=None)
+                              max_tokens=max_tokens, ignore_eos=True, logprobs=None,
+                              extra_args=extra_args)
 
     def warm_up(self) -> None:
         for b in self.args.batch_sizes:  # round -1: prompts no timed round uses
@@ -425,7 +430,7 @@ def ratios(results: dict[str, dict], batch_sizes: list[int],
         return results[name]["by_batch"][str(b)][key]
 
     out: dict[str, dict[str, float]] = {}
-    for num, den in (("on", "off"), ("off", "stock"), ("on", "stock")):
+    for num, den in (("on", "off"), ("off", "stock"), ("on", "stock"), ("optout", "off")):
         if num in results and den in results:
             out[f"{num}/{den}"] = {str(b): tps(num, b) / tps(den, b) for b in batch_sizes}
     return out

@@ -15,7 +15,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-LABELS = {"off": "masks off", "on": "masks on", "stock": "stock (plugin not loaded)"}
+LABELS = {"off": "masks off", "on": "masks on", "stock": "stock (plugin not loaded)",
+          "optout": "mask engine, requests opted out"}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
