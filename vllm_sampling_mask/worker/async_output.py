@@ -47,7 +47,8 @@ def wrap_init(original: Any) -> Any:
 
 
 def wrap_get_output(original: Any) -> Any:
-    """``AsyncOutput.get_output`` plus ``ModelRunnerOutput.sampling_masks`` (host CSR rows)."""
+    """``AsyncOutput.get_output`` plus ``ModelRunnerOutput.sampling_masks`` (one bytes row per
+    request)."""
 
     @functools.wraps(original)
     def get_output(self: Any) -> Any:

@@ -117,13 +117,14 @@ class HostStepMasks:
         width = row_words - 1
         counts = packed[:, 0].copy()
         counts[np.asarray(num_sampled[:num_rows]) == 0] = 0
-        row_wants = self.device.row_wants
-        if row_wants is not None:
-            counts[~row_wants] = 0  # never read: any width, even the whole vocabulary
+        opted_out = None if self.device.row_wants is None else ~self.device.row_wants
+        if opted_out is not None:
+            counts[opted_out] = 0  # never read: any width, even the whole vocabulary
         overflow = np.flatnonzero(counts > width)
         np.minimum(counts, width, out=counts)  # overflow rows are replaced below
         stride = 4 * row_words
         starts = range(4, num_rows * stride, stride)  # byte offset of each row's first id
+        rows: list[bytes | None]
         if width <= WIDE_UNPACK_WIDTH:
             # One copy of the whole buffer, then a bytes slice per row.
             blob = packed.tobytes()
@@ -134,8 +135,8 @@ class HostStepMasks:
             rows = [bytes(view[start : start + 4 * n]) for start, n in zip(starts, counts.tolist())]
         if overflow.size:
             self._read_overflow_rows(rows, overflow)
-        if row_wants is not None:
-            for r in np.flatnonzero(~row_wants).tolist():
+        if opted_out is not None:
+            for r in np.flatnonzero(opted_out).tolist():
                 rows[r] = None
         return StepSamplingMasks(rows)
 
