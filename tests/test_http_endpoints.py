@@ -320,6 +320,10 @@ def _drop_bodies(n: int) -> list[tuple[str, dict[str, Any]]]:
     return [kinds[i % len(kinds)] for i in range(n)]
 
 
+# Within the test server's --max-model-len 512: a stream long enough to be scraped mid-way.
+GAUGE_MAX_TOKENS = 400
+
+
 def _held(server: Server) -> tuple[float, float, float]:
     metrics = server.metrics()
     in_flight = metrics.get("vllm:num_requests_running", 0) + metrics.get("vllm:num_requests_waiting", 0)
@@ -329,14 +333,18 @@ def _held(server: Server) -> tuple[float, float, float]:
 def test_the_gauges_see_requests_in_flight(server) -> None:
     # A stream hands its rows out with every chunk (DELTA), so between chunks its state holds a
     # row list with no rows in it; a non-streaming request holds every row until it finishes.
+    # The engine does not wait for the client, so a short stream can finish before one scrape:
+    # scrape after every chunk of a long one (closing it early aborts the rest).
+    most_requests = 0.0
     with server.client() as c, c.stream("POST", "/v1/completions", json={
-            "prompt": "Hello", **SAMPLING, "max_tokens": DROP_MAX_TOKENS, "ignore_eos": True,
+            "prompt": "Hello", **SAMPLING, "max_tokens": GAUGE_MAX_TOKENS, "ignore_eos": True,
             "return_sampling_mask": True, "stream": True}) as response:
-        lines = response.iter_lines()  # kept referenced: closing it would close the stream
-        while not next(lines).startswith("data: "):
-            pass
-        held_requests, _, _ = _held(server)
-    assert held_requests >= 1
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                most_requests = max(most_requests, _held(server)[0])
+                if most_requests >= 1 or line == "data: [DONE]":
+                    break
+    assert most_requests >= 1
 
     body = {"prompt": "Hello", **SAMPLING, "max_tokens": DROP_MAX_TOKENS, "ignore_eos": True,
             "return_sampling_mask": True}
