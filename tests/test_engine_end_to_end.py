@@ -180,8 +180,29 @@ def test_the_request_key_is_a_bool_and_needs_the_switch() -> None:
     check_request_key(params(True), engine_enabled=True)
     with pytest.raises(ValueError, match="started without return_sampling_mask"):
         check_request_key(params(True), engine_enabled=False)
-    with pytest.raises(ValueError, match="must be a bool, got 1"):
-        check_request_key(params(1), engine_enabled=True)
+    for bad in (2, -1, 0.0, "false"):
+        with pytest.raises(ValueError, match="must be a bool, got"):
+            check_request_key(params(bad), engine_enabled=True)
+
+
+def test_openai_vllm_xargs_booleans_arrive_as_ints_and_still_opt_out() -> None:
+    """The OpenAI requests type ``vllm_xargs`` values as ``str | int | float | list``, so pydantic
+    parses a JSON ``false`` as 0: that must opt out (not be refused, not opt in)."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_sampling_mask.config import request_wants_masks
+    from vllm_sampling_mask.engine.input_processor import check_request_key
+
+    for sent, wants in ((False, False), (True, True)):
+        request = CompletionRequest.model_validate_json(
+            '{"model": "m", "prompt": "x", "vllm_xargs": {"return_sampling_mask": %s}}'
+            % str(sent).lower())
+        params = request.to_sampling_params(16, None)
+        assert params.extra_args["return_sampling_mask"] == int(sent)  # an int, not a bool
+        check_request_key(params, engine_enabled=True)
+        assert request_wants_masks(params) is wants
+        if not wants:
+            check_request_key(params, engine_enabled=False)  # opting out needs no switch
 
 
 def test_beam_search_is_rejected(llm) -> None:

@@ -15,10 +15,12 @@ Keys (all optional; the CLI flag and the ``LLM``/``EngineArgs`` keyword write th
     ``[rows, V / 32]`` bitmap: W is ``sampling_mask_max_width``.
 
 Per request, ``SamplingParams.extra_args["return_sampling_mask"]`` (bool, default True on an engine
-whose switch is on): ``False`` opts that request out. It is then neither checked (greedy, no
-top_k: anything vLLM accepts), nor compacted, copied or sent, and its outputs carry no mask; a
-batch of only such requests runs vLLM's own sampler (FlashInfer where vLLM would use it). The
-HTTP endpoints set it from their request fields.
+whose switch is on; 0 / 1 are accepted as well, since the OpenAI requests' ``vllm_xargs`` parse
+JSON booleans as ints): ``False`` opts that request out. It is then not checked (greedy, no
+top_k: anything vLLM accepts), its row neither sets the step's copy width nor is sent, and its
+outputs carry no mask; a step of only such requests compacts and copies nothing and runs
+vLLM's own sampler (FlashInfer where vLLM would use it). The HTTP endpoints set it from their
+request fields.
 """
 
 from __future__ import annotations
@@ -36,10 +38,15 @@ REQUEST_KEY = "return_sampling_mask"
 
 
 def request_wants_masks(params: Any) -> bool:
-    """Whether a request's ``SamplingParams`` asks for masks on an engine whose switch is on
-    (anything but an explicit ``extra_args["return_sampling_mask"] = False`` does)."""
+    """Whether a request's ``SamplingParams`` asks for masks on an engine whose switch is on:
+    anything but an explicit ``extra_args["return_sampling_mask"]`` of ``False`` (or ``0``: the
+    OpenAI requests' ``vllm_xargs`` turn JSON booleans into ints) does. Values other than
+    bools and 0 / 1 are refused by the engine's input checks before this is asked."""
     extra_args = params.extra_args
-    return not extra_args or extra_args.get(REQUEST_KEY) is not False
+    if not extra_args:
+        return True
+    asked = extra_args.get(REQUEST_KEY)
+    return asked is None or bool(asked)
 
 
 @dataclass(frozen=True)

@@ -55,12 +55,13 @@ def check_sampling_params(params: Any, allow_top_p_only: bool = False) -> None:
 
 
 def check_request_key(params: Any, engine_enabled: bool) -> None:
-    """Raise ``VLLMValidationError`` if ``extra_args["return_sampling_mask"]`` is not a bool, or
-    is True on an engine whose switch is off."""
+    """Raise ``VLLMValidationError`` if ``extra_args["return_sampling_mask"]`` is not a bool (or
+    0 / 1: the OpenAI requests' ``vllm_xargs`` turn JSON booleans into ints), or asks for masks
+    on an engine whose switch is off."""
     from vllm.exceptions import VLLMValidationError
 
     asked = (params.extra_args or {}).get(REQUEST_KEY)
-    if asked is not None and not isinstance(asked, bool):
+    if asked is not None and not (isinstance(asked, bool) or (type(asked) is int and asked in (0, 1))):
         raise VLLMValidationError(
             f"extra_args[{REQUEST_KEY!r}] must be a bool, got {asked!r}.",
             parameter=REQUEST_KEY, value=asked,
