@@ -476,3 +476,36 @@ def test_opted_out_request_keeps_vllms_state_and_gets_no_mask(
     by_id = {o.request_id: o.outputs[0] for o in outputs}
     assert by_id["out"].sampling_mask is None
     assert by_id["in"].sampling_mask.token_ids == engine.sent_rows["in"]
+
+
+@pytest.mark.parametrize("first_wants", [True, False])
+def test_a_streaming_input_session_keeps_its_choice_of_masks(
+    tokenizer: TokenizerLike, text_tokens: list[int], first_wants: bool
+) -> None:
+    """Streaming input (``AsyncLLM.generate`` of an input stream) adds one resumable request per
+    chunk under one id. A chunk that keeps the session's choice is queued as vLLM does; one that
+    changes it is refused, since its tokens' rows would not line up with the session's."""
+    processor = make_processor(tokenizer)
+
+    def chunk(wants: bool) -> EngineCoreRequest:
+        extra_args = None if wants else {"return_sampling_mask": False}
+        request = engine_core_request("s", PROMPT, sampling_params(
+            output_kind=DELTA, extra_args=extra_args))
+        request.resumable = True
+        return request
+
+    processor.add_request(chunk(first_wants), None)
+    state = processor.request_states["s"]
+    processor.add_request(chunk(first_wants), None)  # the same choice: vLLM queues the update
+    assert processor.request_states["s"] is state and len(state.input_chunk_queue) == 1
+    with pytest.raises(ValueError, match="streaming-input session sets extra_args"):
+        processor.add_request(chunk(not first_wants), None)
+    assert len(state.input_chunk_queue) == 1  # the refused chunk was not queued
+    engine = FakeEngineCore(with_masks=first_wants)
+    output = engine.output("s", text_tokens[:1]) if first_wants else engine_core_output(
+        "s", text_tokens[:1])
+    (result,) = process(processor, output)
+    if first_wants:
+        assert result.outputs[0].sampling_mask.token_ids == engine.sent_rows["s"]
+    else:
+        assert result.outputs[0].sampling_mask is None

@@ -14,7 +14,7 @@ import functools
 from typing import Any
 
 from vllm_sampling_mask import patching
-from vllm_sampling_mask.config import request_wants_masks
+from vllm_sampling_mask.config import REQUEST_KEY, request_wants_masks
 from vllm_sampling_mask.engine.transport import rows_mask
 from vllm_sampling_mask.outputs import SamplingMask
 
@@ -70,13 +70,31 @@ def mask_rows_of(state: Any) -> RequestMaskRows:
 
 def wrap_add_request(original: Any) -> Any:
     """``OutputProcessor.add_request``: give each new request state of a mask engine its row
-    list, unless the request opted out."""
+    list, unless the request opted out.
+
+    A streaming-input session adds one request per input chunk under one id, each with its own
+    ``SamplingParams``; the state, and so the choice of masks, is made by the first. A later
+    chunk that changes the choice is refused (``ValueError``, that session only): its tokens'
+    rows would be missing from, or extra to, the state's row list.
+    """
 
     @functools.wraps(original)
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, request, *args, **kwargs)
         params = request.sampling_params
-        if self.__dict__.get(_ENABLED_ATTR) and params is not None and request_wants_masks(params):
+        if not self.__dict__.get(_ENABLED_ATTR) or params is None:
+            original(self, request, *args, **kwargs)
+            return
+        wants = request_wants_masks(params)
+        session = self.request_states.get(request.request_id)
+        if session is not None and request.resumable:
+            if (session.__dict__.get(_ROWS_ATTR) is not None) != wants:
+                raise ValueError(
+                    f"request {request.request_id}: an input chunk of a streaming-input session "
+                    f"sets extra_args[{REQUEST_KEY!r}] to {wants}, but the session started "
+                    f"with {not wants}. A session returns masks for all of its tokens or none."
+                )
+        original(self, request, *args, **kwargs)
+        if wants:
             state = self.request_states.get(request.request_id)
             if state is not None:
                 mask_rows_of(state)
