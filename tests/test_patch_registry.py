@@ -94,9 +94,18 @@ def test_a_scoped_patch_is_bound_only_inside_its_block(monkeypatch: pytest.Monke
         assert module.Output is tuple and patching.original_of(patch.target) is tuple
         with patching.scoped_patch(patch.target):
             assert module.Output is list
-            with patching.scoped_patch(patch.target):  # nested blocks restore what they found
+            with patching.scoped_patch(patch.target):  # nested: the outer block still sees it
                 assert module.Output is list
             assert module.Output is list
+        assert module.Output is tuple
+        # Overlapping blocks of two threads (in-process engines): the binding holds until the
+        # last one leaves, whichever entered first.
+        first, second = patching.scoped_patch(patch.target), patching.scoped_patch(patch.target)
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert module.Output is list
+        second.__exit__(None, None, None)
         assert module.Output is tuple
         with pytest.raises(RuntimeError), patching.scoped_patch(patch.target):
             raise RuntimeError("the binding is restored on errors too")

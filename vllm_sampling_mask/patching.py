@@ -103,6 +103,7 @@ _MISSING = object()
 _applied: dict[str, _AppliedPatch] = {}
 _pending: dict[str, list[Patch]] = {}
 _instance_classes: dict[tuple[str, type], type] = {}
+_scope_depths: dict[str, int] = {}  # scoped_patch blocks open per target, all threads
 _lock = threading.RLock()
 
 
@@ -231,19 +232,28 @@ def original_of(target: str) -> Any:
 def scoped_patch(target: str) -> Iterator[None]:
     """Bind the replacement of the scoped patch ``target`` for the duration of the block.
 
-    A module binding is process-wide: a block must not overlap code in another thread that reads
-    the same binding and expects vLLM's object (the engine core's scheduler runs in one thread).
-    Raises ``KeyError`` if ``target`` is not an installed scoped patch.
+    Blocks may nest and overlap across threads (two in-process mask engines): the first to enter
+    binds the replacement, the last to leave restores vLLM's object. A module binding is
+    process-wide, so code in another thread that reads it meanwhile (a switch-off engine's
+    scheduler in the same process) sees the replacement too. Raises ``KeyError`` if ``target``
+    is not an installed scoped patch.
     """
     record = _applied[target]
     if not record.patch.scoped:
         raise KeyError(f"{target} is not a scoped patch")
-    previous = getattr(record.owner, record.name)
-    setattr(record.owner, record.name, record.replacement)
+    with _lock:
+        depth = _scope_depths.get(target, 0)
+        if depth == 0:
+            setattr(record.owner, record.name, record.replacement)
+        _scope_depths[target] = depth + 1
     try:
         yield
     finally:
-        setattr(record.owner, record.name, previous)
+        with _lock:
+            depth = _scope_depths[target] - 1
+            _scope_depths[target] = depth
+            if depth == 0:
+                setattr(record.owner, record.name, record.original)
 
 
 def patch_instance(target: str, obj: Any) -> None:
