@@ -102,7 +102,8 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.v1.worker.gpu.async_utils:AsyncOutput.get_output",
         make=f"{_P}.worker.async_output:wrap_get_output",
-        why="Unpack the host copy into CSR rows on ModelRunnerOutput.sampling_masks.",
+        why="Unpack the host copy into one int32 bytes row per request "
+            "(ModelRunnerOutput.sampling_masks).",
         process="worker",
     ),
     # --- engine core: per-request slicing and transport ---
@@ -150,7 +151,8 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.v1.engine.output_processor:OutputProcessor.add_request",
         make=f"{_P}.engine.output_processor:wrap_add_request",
-        why="Every request of a mask engine gets a row list (empty masks for 0-token outputs).",
+        why="Every request of a mask engine that wants masks gets a row list (empty masks for "
+            "0-token outputs).",
         process="frontend",
     ),
     Patch(

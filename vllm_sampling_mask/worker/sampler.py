@@ -5,8 +5,9 @@ penalties, bad words, temperature, min-p, top-k/top-p; grammar masks come earlie
 where we compact. The FlashInfer sampler never materialises the filtered logits (its
 "processed" logits are the pre-top-k ones), so a step that captures masks never uses it. The
 sampler remembers which of its requests opted out (``extra_args["return_sampling_mask"] = False``):
-their rows are left out of the width and of the host copy's rows, and a step with none that
-wants masks runs vLLM's sampler as it is (FlashInfer included) with no capture.
+their rows go through the step's kernel call and copy with the others but do not set the copy
+width and are never unpacked, and a step with none that wants masks runs vLLM's sampler as it
+is (FlashInfer included) with no capture.
 """
 
 from __future__ import annotations
