@@ -152,6 +152,18 @@ def test_tito_request_can_opt_out(client) -> None:
         assert list(choice) == list(GenerateResponseChoice.model_fields)
 
 
+def test_other_endpoints_opt_out_with_vllm_xargs(client) -> None:
+    """``/v1/responses`` has no mask field, so on a mask server its requests are mask requests
+    (greedy: 400) unless ``vllm_xargs`` opts out; pydantic parses that ``false`` as ``0``."""
+    body = {"input": "Hello", "temperature": 0.0, "max_output_tokens": 4}
+    refused = client.post("/v1/responses", json=body)
+    assert refused.status_code == 400 and "temperature must be > 0" in refused.text
+    served = client.post("/v1/responses", json={
+        **body, "vllm_xargs": {"return_sampling_mask": False}})
+    assert served.status_code == 200, served.text
+    assert served.json()["status"] == "incomplete"  # reached max_output_tokens, not an error
+
+
 # ------------------------------------------------------------------ OpenAI endpoints
 
 
