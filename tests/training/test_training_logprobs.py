@@ -148,6 +148,30 @@ def test_bfloat16_logits_against_fp32_reference(return_full: bool) -> None:
     torch.testing.assert_close(fast_grad.float(), dense_grad, atol=BF16_ATOL, rtol=BF16_ATOL)
 
 
+def test_bfloat16_gradient_of_confident_tokens_is_rounded_once() -> None:
+    """With both outputs, the gradient at a sampled token of probability ~1 is a small difference
+    of large terms ((1 - p) * g): rounded to bf16 once it keeps ~3 significant digits, rounded
+    term by term it would lose them all."""
+    num_tokens, vocab_size = 16, 256
+    generator = torch.Generator().manual_seed(3)
+    token_ids = torch.randint(0, vocab_size, (num_tokens,), generator=generator)
+    logits = torch.randn(num_tokens, vocab_size, generator=generator)
+    logits[torch.arange(num_tokens), token_ids] = 14.0  # p ~ 1 - 2e-4 over the vocabulary
+    rows = [sorted({int(t)} | set(torch.randperm(vocab_size, generator=generator)[:7].tolist()))
+            for t in token_ids]
+    masks = PackedMasks.from_rows(rows)
+    logits = logits.bfloat16()
+    _, fast_grad = _values_and_grad(support_logprobs, logits, token_ids, masks, return_full=True,
+                                    chunk_size=5)
+    _, exact_grad = _values_and_grad(support_logprobs_reference, logits.double(), token_ids,
+                                     masks, return_full=True)
+    at_tokens = torch.arange(num_tokens), token_ids
+    got, want = fast_grad[at_tokens].double(), exact_grad[at_tokens]
+    assert want.abs().min() > 0
+    assert ((got - want).abs() / want.abs()).max() < 2 ** -7  # one bf16 rounding: <= 2 ** -8
+    torch.testing.assert_close(fast_grad.double(), exact_grad, atol=1e-6, rtol=2 ** -7)
+
+
 def test_batched_padded_layout() -> None:
     """[B, L, V] logits through .view(B * L, V) with pack_padded_batch masks."""
     from vllm_sampling_mask.training import pack_padded_batch

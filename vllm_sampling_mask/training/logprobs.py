@@ -104,7 +104,10 @@ class _SupportLogprobs(torch.autograd.Function):
         kept_lp = torch.where(rows.has_token, token_logits - lse_kept, float("-inf"))
         kept_lp = torch.where(rows.scored, kept_lp, 0.0)
 
-        ctx.save_for_backward(logits)
+        # The kept-set backward needs only the logits' shape: keep the [T, V] tensor alive
+        # (e.g. an fp32 upcast made for this call) only for the full-vocabulary one.
+        ctx.save_for_backward(logits if full_chunk is not None else None)
+        ctx.logits_spec = (logits.shape, logits.dtype, logits.device)
         ctx.rows = rows
         ctx.kept = kept
         ctx.lse_kept = lse_kept
@@ -126,36 +129,42 @@ class _SupportLogprobs(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: FunctionCtx, grad_kept: torch.Tensor, grad_full: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, None, None, None]:
-        (logits,) = ctx.saved_tensors
+        (logits,) = ctx.saved_tensors  # None without the full-vocabulary output
+        (num_rows, vocab_size), dtype, device = ctx.logits_spec
         rows: ScoredRows = ctx.rows
         inv_temperature: float = ctx.inv_temperature
-        num_rows, vocab_size = logits.shape
         # Rows whose output is a constant (padding: 0, token missing from its row: -inf)
         # pass no gradient.
         g_kept = torch.where(rows.scored & rows.has_token, grad_kept.float(), 0.0) * inv_temperature
 
-        if ctx.full_chunk is None:
-            grad = torch.zeros((num_rows, vocab_size), dtype=logits.dtype, device=logits.device)
-        else:
-            grad = torch.empty((num_rows, vocab_size), dtype=logits.dtype, device=logits.device)
-            g_full = torch.where(rows.scored, grad_full.float(), 0.0) * inv_temperature
-            # d(full log-prob)/dz = one-hot(token) - softmax(z), one [chunk, V] slab at a time.
-            for start in range(0, num_rows, ctx.full_chunk):
-                end = min(start + ctx.full_chunk, num_rows)
-                slab = torch.softmax(temperature_scaled(logits[start:end], inv_temperature),
-                                     dim=-1, dtype=torch.float32)
-                grad[start:end].copy_(slab.mul_(-g_full[start:end, None]))
-            token_index = torch.arange(num_rows, device=logits.device)
-            grad.view(-1).index_add_(
-                0, token_index * vocab_size + rows.token_ids, g_full.to(logits.dtype))
-
-        # Kept set: one-hot(token) - softmax over the row, summed in fp32 before the one
-        # rounding to the logits' dtype (the sampled id is in its row on every row with g != 0).
+        # Kept set: one-hot(token) - softmax over the row (the sampled id is in its row on every
+        # row with g != 0), in fp32.
         kept_probs = torch.exp(ctx.kept - ctx.lse_kept[rows.kept_rows])  # [N]
-        grad.view(-1).index_add_(
-            0, rows.kept_rows * vocab_size + rows.kept_ids,
-            (g_kept[rows.kept_rows] * (rows.kept_is_sampled.float() - kept_probs)).to(logits.dtype),
-        )
+        kept_grad = g_kept[rows.kept_rows] * (rows.kept_is_sampled.float() - kept_probs)  # [N]
+        if ctx.full_chunk is None:
+            grad = torch.zeros((num_rows, vocab_size), dtype=dtype, device=device)
+            grad.view(-1).index_add_(0, rows.kept_rows * vocab_size + rows.kept_ids,
+                                     kept_grad.to(dtype))
+            return grad, None, None, None
+        # Both outputs: each [chunk, V] slab sums its three terms in fp32 and is rounded to the
+        # logits' dtype once (rounded separately, -p*g and +g cancel at a token with p ~ 1).
+        grad = torch.empty((num_rows, vocab_size), dtype=dtype, device=device)
+        g_full = torch.where(rows.scored, grad_full.float(), 0.0) * inv_temperature
+        chunk = ctx.full_chunk
+        starts = torch.arange(0, num_rows + chunk, chunk, device=rows.offsets.device)
+        entry_bounds = rows.offsets[starts.clamp(max=num_rows)].tolist()  # kept entries by chunk
+        for index, start in enumerate(range(0, num_rows, chunk)):
+            end = min(start + chunk, num_rows)
+            # d(full log-prob)/dz = one-hot(token) - softmax(z).
+            slab = torch.softmax(temperature_scaled(logits[start:end], inv_temperature),
+                                 dim=-1, dtype=torch.float32).mul_(-g_full[start:end, None])
+            local_rows = torch.arange(end - start, device=device)
+            slab[local_rows, rows.token_ids[start:end]] += g_full[start:end]
+            lo, hi = entry_bounds[index], entry_bounds[index + 1]
+            slab.view(-1).index_add_(
+                0, (rows.kept_rows[lo:hi] - start) * vocab_size + rows.kept_ids[lo:hi],
+                kept_grad[lo:hi])
+            grad[start:end].copy_(slab)
         return grad, None, None, None
 
 
@@ -171,7 +180,8 @@ def support_logprobs_reference(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The dense recipe, computed in ``logits.dtype``: a ``[T, V]`` bool keep-mask,
     ``masked_fill(-inf)``, ``log_softmax``, ``gather``. Same arguments and outputs as
-    ``support_logprobs`` (no validation); O(T x V) extra memory. For tests and benchmarks.
+    ``support_logprobs`` (no validation), except that the outputs are in ``logits.dtype``;
+    O(T x V) extra memory. For tests and benchmarks.
     """
     num_rows, vocab_size = logits.shape
     token_ids = token_ids.to(device=logits.device, dtype=torch.int64)

@@ -35,7 +35,8 @@ def importance_ratio_metrics(
         valid: optional ``[*] bool``; False entries (padding, prompt) are left out.
         ratio_band: half-width of the band around 1 for ``ratio_outside_band``.
 
-    Returns (computed in float64; NaN for every value when no token is valid):
+    Returns (computed in float64; when no token is valid ``num_tokens`` is 0 and every other
+    value NaN):
         ``num_tokens``: number of valid tokens.
         ``ratio_mean``: mean of ``ratio``.
         ``ratio_outside_band``: fraction of tokens with ``ratio`` outside
