@@ -152,6 +152,21 @@ def test_tito_request_can_opt_out(client) -> None:
         assert list(choice) == list(GenerateResponseChoice.model_fields)
 
 
+def test_tito_request_can_opt_out_through_its_extra_args(client) -> None:
+    """The Python API's opt-out inside ``sampling_params`` works over HTTP too (a greedy request
+    is then served without a mask); the top-level field, when given, wins."""
+    greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    body = tito_body(params={**greedy, "extra_args": {"return_sampling_mask": False}})
+    for choice in post(client, "/inference/v1/generate", body)["choices"]:
+        assert choice["token_ids"] and choice.get("sampling_mask") is None
+    body = tito_body(return_sampling_mask=True, params={"extra_args": {"return_sampling_mask": False}})
+    for choice in post(client, "/inference/v1/generate", body)["choices"]:
+        assert len(choice["sampling_mask"]) == len(choice["token_ids"])
+    bad = client.post("/inference/v1/generate",
+                      json=tito_body(params={"extra_args": {"return_sampling_mask": "no"}}))
+    assert bad.status_code == 400 and "extra_args.return_sampling_mask" in bad.text
+
+
 def test_other_endpoints_opt_out_with_vllm_xargs(client) -> None:
     """``/v1/responses`` has no mask field, so on a mask server its requests are mask requests
     (greedy: 400) unless ``vllm_xargs`` opts out; pydantic parses that ``false`` as ``0``."""

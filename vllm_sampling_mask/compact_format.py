@@ -23,7 +23,7 @@ Row ``i`` is ``ids[offsets[i]:offsets[i + 1]]`` with ``offsets = [0, *cumsum(row
 consecutive ids (rows are ascending, so every difference is >= 1), each value as an unsigned
 LEB128 varint (7 bits per byte, least significant group first, high bit set on every byte but a
 value's last; protobuf's encoding). Ids of a top-k row are spread over the whole vocabulary, so
-the gaps are still large, but they take 2 bytes where an int32 takes 4: about 2.8x smaller than
+the gaps are still large, but they take 2 bytes where an int32 takes 4: about 2.3x smaller than
 JSON lists for top_k 50 over a 151,936-token vocabulary (``docs/user-guide.md``). Decode: read
 the varints, then a running sum that restarts at every row (``decode_compact`` does it,
 vectorised).

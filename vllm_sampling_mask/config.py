@@ -37,6 +37,12 @@ REQUEST_KEY = "return_sampling_mask"
 """Key of ``SamplingParams.extra_args`` by which one request opts in (True) or out (False)."""
 
 
+def is_request_choice(value: Any) -> bool:
+    """Whether ``value`` is a valid ``extra_args["return_sampling_mask"]``: a bool, or 0 / 1 (the
+    OpenAI requests' ``vllm_xargs`` turn JSON booleans into ints)."""
+    return isinstance(value, bool) or (type(value) is int and value in (0, 1))
+
+
 def request_wants_masks(params: Any) -> bool:
     """Whether a request's ``SamplingParams`` asks for masks on an engine whose switch is on:
     anything but an explicit ``extra_args["return_sampling_mask"]`` of ``False`` (or ``0``: the

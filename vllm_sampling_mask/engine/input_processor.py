@@ -18,6 +18,7 @@ from vllm_sampling_mask.config import (
     REQUEST_KEY,
     TOP_P_ONLY_KEY,
     SamplingMaskConfig,
+    is_request_choice,
     request_wants_masks,
 )
 
@@ -61,7 +62,7 @@ def check_request_key(params: Any, engine_enabled: bool) -> None:
     from vllm.exceptions import VLLMValidationError
 
     asked = (params.extra_args or {}).get(REQUEST_KEY)
-    if asked is not None and not (isinstance(asked, bool) or (type(asked) is int and asked in (0, 1))):
+    if asked is not None and not is_request_choice(asked):
         raise VLLMValidationError(
             f"extra_args[{REQUEST_KEY!r}] must be a bool, got {asked!r}.",
             parameter=REQUEST_KEY, value=asked,

@@ -6,7 +6,8 @@ the request finishes, is aborted, or its client disconnects. On a server started
 ``--return-sampling-mask`` these gauges, computed when ``/metrics`` is scraped, show what is held:
 
 ``vllm_sampling_mask:held_requests``
-    request states that hold a row list (every in-flight request of a mask engine);
+    request states that hold a row list (every in-flight request of a mask engine that wants
+    masks);
 ``vllm_sampling_mask:held_rows``
     the mask rows they hold in total: every row so far of a non-streaming request, only the rows
     not yet handed out of a streaming one (rows are dropped once a chunk carries them).

@@ -2,8 +2,9 @@
 ``vllm/entrypoints/scale_out/token_in_token_out/{protocol,serving}.py``).
 
 On a server started with ``--return-sampling-mask`` every choice carries ``sampling_mask``, row i
-for ``token_ids[i]`` (``return_sampling_mask: false`` in a request turns it off for that request;
-``sampling_mask_format: "compact"`` sends the compact dict). Streamed chunks carry the rows of
+for ``token_ids[i]`` (``return_sampling_mask: false`` in a request turns it off for that request,
+as does ``sampling_params.extra_args.return_sampling_mask: false`` when the top-level field is
+absent; the top-level field wins; ``sampling_mask_format: "compact"`` sends the compact dict). Streamed chunks carry the rows of
 their own tokens. Without the switch the endpoint is vLLM's.
 
 The route is vLLM's (registered before any endpoint plugin, and Starlette serves the first
@@ -24,6 +25,7 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
     GenerateResponseChoice,
 )
 
+from vllm_sampling_mask.config import REQUEST_KEY, is_request_choice
 from vllm_sampling_mask.entrypoints.mask_fields import MaskFieldError, parse_mask_options
 from vllm_sampling_mask.entrypoints.serving import (
     bad_request,
@@ -75,6 +77,20 @@ async def _body_fields(raw_request: Any) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
+def _params_choice(request: Any, engine_enabled: bool) -> bool:
+    """What a request without the top-level field gets: its ``sampling_params.extra_args``
+    choice if it made one (the Python API's opt-out), else the server's switch. Raises
+    ``MaskFieldError`` on an invalid choice."""
+    extra_args = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    choice = extra_args.get(REQUEST_KEY)
+    if choice is None:
+        return engine_enabled
+    if not is_request_choice(choice):
+        raise MaskFieldError(f"sampling_params.extra_args.{REQUEST_KEY} must be a boolean, got "
+                             f"{choice!r}.", f"sampling_params.extra_args.{REQUEST_KEY}")
+    return bool(choice)
+
+
 def wrap_serve_tokens(original: Any) -> Any:
     """``ServingTokens.serve_tokens``: read and validate the mask fields (HTTP 400)."""
 
@@ -84,7 +100,7 @@ def wrap_serve_tokens(original: Any) -> Any:
         enabled = engine_masks_enabled(self)
         try:
             options = parse_mask_options(await _body_fields(raw_request), engine_enabled=enabled,
-                                         default_enabled=enabled)
+                                         default_enabled=_params_choice(request, enabled))
         except MaskFieldError as exc:
             return bad_request(self, exc)
         return await serve_with_options(options, original, self, request, raw_request, *args,
