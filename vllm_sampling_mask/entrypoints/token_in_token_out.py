@@ -2,10 +2,10 @@
 ``vllm/entrypoints/scale_out/token_in_token_out/{protocol,serving}.py``).
 
 On a server started with ``--return-sampling-mask`` every choice carries ``sampling_mask``, row i
-for ``token_ids[i]`` (``return_sampling_mask: false`` in a request turns it off for that request,
+for ``token_ids[i]``. ``return_sampling_mask: false`` in a request turns it off for that request,
 as does ``sampling_params.extra_args.return_sampling_mask: false`` when the top-level field is
-absent; the top-level field wins; ``sampling_mask_format: "compact"`` sends the compact dict). Streamed chunks carry the rows of
-their own tokens. Without the switch the endpoint is vLLM's.
+absent (the top-level field wins); ``sampling_mask_format: "compact"`` sends the compact dict.
+Streamed chunks carry the rows of their own tokens. Without the switch the endpoint is vLLM's.
 
 The route is vLLM's (registered before any endpoint plugin, and Starlette serves the first
 matching route), so we extend ``ServingTokens`` rather than add a route. ``GenerateRequest`` is a
