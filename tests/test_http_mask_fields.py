@@ -290,3 +290,28 @@ def test_rows_of_refuses_a_missing_or_misaligned_mask() -> None:
         rows_of(SimpleNamespace(index=0, token_ids=[1], sampling_mask=None))
     with pytest.raises(RuntimeError, match="1 mask rows for 2 tokens"):
         rows_of(SimpleNamespace(index=0, token_ids=[1, 2], sampling_mask=SimpleNamespace(token_ids=[[1]])))
+
+
+@pytest.mark.parametrize("stream,logprobs,parser,forced", [
+    (True, True, True, True),  # the one case vLLM would drop logprobs of held-back tokens
+    (True, False, True, False),
+    (False, True, True, False),
+    (True, True, False, False),  # no parser: vLLM sends a chunk for every engine output
+])
+def test_streamed_chat_with_logprobs_and_a_parser_sends_every_chunk(
+        stream: bool, logprobs: bool, parser: bool, forced: bool) -> None:
+    from vllm_sampling_mask.entrypoints import chat_completion
+
+    seen: list[Any] = []
+
+    async def vllm_chat(self, request, raw_request=None):
+        seen.append(request.return_token_ids)
+        return "response"
+
+    serving = FakeServing(True)
+    serving.parser_cls = object if parser else None
+    request = SimpleNamespace(model_extra={"return_sampling_mask": True}, include_reasoning=True,
+                              stream=stream, logprobs=logprobs, return_token_ids=False,
+                              n=None, vllm_xargs=None)
+    _run(chat_completion.wrap_create_chat_completion(vllm_chat)(serving, request))
+    assert serving.errors == [] and seen == [forced]

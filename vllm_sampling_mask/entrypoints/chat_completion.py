@@ -3,9 +3,10 @@
 Same opt-in fields as ``/v1/completions``. Each choice carries ``token_ids`` (every generated id,
 reasoning and tool-call tokens included) and ``sampling_mask``. When streaming, tokens a
 reasoning or tool parser holds back without emitting a chunk ride in the next chunk of their
-choice. Refused (HTTP 400) with ``include_reasoning: false`` on a server with a reasoning or tool
-parser: vLLM hides those tokens there, and their masks (which contain each sampled token) would
-reveal them.
+choice, except with ``logprobs``: vLLM would drop their logprobs, so such a stream is sent with
+``return_token_ids`` (a chunk for every engine output). Refused (HTTP 400) with
+``include_reasoning: false`` on a server with a reasoning or tool parser: vLLM hides those tokens
+there, and their masks (which contain each sampled token) would reveal them.
 """
 
 from __future__ import annotations
@@ -24,12 +25,21 @@ from vllm_sampling_mask.entrypoints.serving import (
 )
 
 
-def _check_request(serving: Any, request: Any) -> None:
-    if not request.include_reasoning and serving.parser_cls is not None:
+def _prepare_request(serving: Any, request: Any) -> None:
+    """Refuse what masks can't serve; make a streamed chat with logprobs send every chunk."""
+    if serving.parser_cls is None:
+        return
+    if not request.include_reasoning:
         raise MaskFieldError(
             f"{RETURN_FIELD} is not supported with include_reasoning=false on a server with a "
             "reasoning or tool parser: the masks contain every sampled token, hidden ones too. "
             "Set include_reasoning to true or drop the field.", RETURN_FIELD)
+    if request.stream and request.logprobs:
+        # vLLM skips the chunk of an engine output its parser holds back, and with it that
+        # output's logprobs; its tokens and rows would ride in the next chunk, one logprob
+        # entry short. With return_token_ids vLLM sends every chunk (an empty delta for held
+        # tokens), so each chunk's logprobs, token_ids and rows line up.
+        request.return_token_ids = True
 
 
 def wrap_create_chat_completion(original: Any) -> Any:
@@ -40,7 +50,7 @@ def wrap_create_chat_completion(original: Any) -> Any:
         try:
             options = parse_mask_options(request.model_extra, engine_enabled=engine_masks_enabled(self))
             if options.enabled:
-                _check_request(self, request)
+                _prepare_request(self, request)
         except MaskFieldError as exc:
             return bad_request(self, exc)
         return await serve_with_options(options, original, self, request, *args, **kwargs)
