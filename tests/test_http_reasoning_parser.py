@@ -10,7 +10,6 @@ tokens (ids inside the model's padded vocabulary), and ``logit_bias`` makes ever
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
