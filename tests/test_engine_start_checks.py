@@ -20,11 +20,45 @@ def engine_config(model: str, **overrides):
     return EngineArgs(model=model, **{**GOOD, **overrides}).create_engine_config()
 
 
-def test_good_config_selects_model_runner_v2(tiny_model_dir: str) -> None:
+def test_good_config_selects_model_runner_v2(tiny_model_dir: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     vllm_config = engine_config(tiny_model_dir)
     assert SamplingMaskConfig.of(vllm_config).enabled
     assert vllm_config.use_v2_model_runner
-    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ  # decided from the config, not the process
+
+
+def test_a_mask_engine_leaves_later_engines_of_the_process_stock(
+        tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An RL script may build a mask engine, then an evaluation engine without masks: the second
+    gets vLLM's own runner choice (here V1: MRV2 lacks prompt embeds), whether the first started
+    or was refused."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    engine_config(tiny_model_dir)
+    with pytest.raises(ValueError):
+        engine_config(tiny_model_dir, logprobs_mode="raw_logprobs")
+    plain = EngineArgs(model=tiny_model_dir, enable_prompt_embeds=True, enforce_eager=True,
+                       max_model_len=256).create_engine_config()
+    assert not plain.use_v2_model_runner
+    with pytest.raises(ValueError, match="needs Model Runner V2"):  # the same with masks: refused
+        engine_config(tiny_model_dir, enable_prompt_embeds=True)
+
+
+def test_engines_built_from_a_vllm_config_are_checked_too(tiny_model_dir: str) -> None:
+    """``LLMEngine(vllm_config, ...)`` without ``EngineArgs`` (RL frameworks do this): the same
+    start checks, before anything starts."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    vllm_config = EngineArgs(model=tiny_model_dir, enforce_eager=True,
+                             max_model_len=256).create_engine_config()  # raw_logprobs
+    vllm_config.additional_config = {"return_sampling_mask": True}
+    assert vllm_config.use_v2_model_runner
+    with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
+        LLMEngine(vllm_config, executor_class=None, log_stats=False)
 
 
 def test_keyword_and_additional_config_are_the_same_switch(tiny_model_dir: str) -> None:
@@ -92,6 +126,19 @@ def test_flag_off_changes_nothing_in_config(tiny_model_dir: str) -> None:
 
     vllm_config = EngineArgs(model=tiny_model_dir, logprobs_mode="raw_logprobs",
                              enforce_eager=True).create_engine_config()
+    assert not SamplingMaskConfig.of(vllm_config).enabled
+
+
+def test_a_non_dict_additional_config_is_a_switch_off_engine(tiny_model_dir: str) -> None:
+    """vLLM also accepts any hashable object as ``additional_config``: it holds none of our keys."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    class PlatformSettings:
+        def compute_hash(self) -> str:
+            return "settings"
+
+    vllm_config = EngineArgs(model=tiny_model_dir, enforce_eager=True,
+                             additional_config=PlatformSettings()).create_engine_config()
     assert not SamplingMaskConfig.of(vllm_config).enabled
 
 

@@ -64,9 +64,11 @@ class SamplingMaskConfig:
     allow_top_p_only: bool = False
 
     @classmethod
-    def from_additional_config(cls, additional_config: dict[str, Any] | None) -> SamplingMaskConfig:
-        """Parse and validate our keys; raises ``ValueError`` naming the bad key."""
-        additional_config = additional_config or {}
+    def from_additional_config(cls, additional_config: Any) -> SamplingMaskConfig:
+        """Parse and validate our keys; raises ``ValueError`` naming the bad key. A non-dict
+        ``additional_config`` (vLLM also accepts any hashable object) holds none of them."""
+        if not isinstance(additional_config, dict):
+            return cls()
         enabled = additional_config.get(ENABLE_KEY, False)
         if not isinstance(enabled, bool):
             raise ValueError(

@@ -3,9 +3,11 @@
 Written for vLLM 0.26.x (``patching.SUPPORTED_VLLM_SERIES``); all of it goes once vLLM >= 0.28
 (native ``--return-sampling-mask``) is the floor. ``process`` names where the patch matters:
 ``frontend`` (API server / ``LLM`` process), ``engine-core`` (scheduler process), ``worker``
-(model runner processes). Every process installs the whole list: each wrapper does nothing
-unless its engine's switch is on, and the two called once per output (``scoped=True``) are not
-even bound unless it is. Tests check that every entry resolves and reverts.
+(model runner processes). Every process installs the whole list: each wrapper does nothing but
+read its engine's switch unless the switch is on, the two called once per output
+(``scoped=True``) are not even bound unless it is, and the client's ``EngineCoreOutputs`` type
+decodes one more optional (trailing, absent = None) field on every engine. Tests check that
+every entry resolves and reverts.
 """
 
 from __future__ import annotations
@@ -44,7 +46,14 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.engine.arg_utils:EngineArgs.create_engine_config",
         make=f"{_P}.engine.arg_utils:wrap_create_engine_config",
-        why="Engine-start checks before any model loads; select Model Runner V2 explicitly.",
+        why="Engine-start checks before any model loads.",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.config.vllm:VllmConfig.use_v2_model_runner",
+        make=f"{_P}.engine.arg_utils:wrap_use_v2_model_runner",
+        why="A mask engine runs Model Runner V2 (our sampler hook) in every process, decided "
+        "from its config: no silent V1 fallback, no process-wide VLLM_USE_V2_MODEL_RUNNER.",
         process="frontend",
     ),
     # --- per-request validation (frontend) ---
@@ -110,7 +119,7 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.v1.core.sched.scheduler:Scheduler.__init__",
         make=f"{_P}.core.scheduler:wrap_init",
-        why="Remember the switch; refuse a V1-runner engine (scripts bypassing EngineArgs).",
+        why="Remember the engine's switch (read once, not per step).",
         process="engine-core",
     ),
     Patch(
@@ -139,7 +148,8 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.v1.engine.llm_engine:LLMEngine.__init__",
         make=f"{_P}.engine.transport:wrap_engine_init",
-        why="Check the decoder keeps masks before start; switch the output processor on.",
+        why="Engine-start checks also for engines built from a VllmConfig (not EngineArgs); "
+        "check the decoder keeps masks; switch the output processor on.",
         process="frontend",
     ),
     Patch(

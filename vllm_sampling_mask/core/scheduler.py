@@ -18,18 +18,12 @@ from vllm_sampling_mask.engine.transport import outputs_carry_masks
 
 
 def wrap_init(original: Any) -> Any:
-    """``Scheduler.__init__``: remember the switch; refuse a runner that can't capture masks."""
+    """``Scheduler.__init__``: remember the switch."""
 
     @functools.wraps(original)
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         original(self, vllm_config, *args, **kwargs)
-        enabled = SamplingMaskConfig.of(vllm_config).enabled
-        if enabled and not vllm_config.use_v2_model_runner:
-            raise ValueError(
-                "--return-sampling-mask requires Model Runner V2, but this engine uses the V1 "
-                "runner. Set VLLM_USE_V2_MODEL_RUNNER=1."
-            )
-        self.__dict__["sampling_mask_enabled"] = enabled
+        self.__dict__["sampling_mask_enabled"] = SamplingMaskConfig.of(vllm_config).enabled
 
     return __init__
 

@@ -81,7 +81,7 @@ def wrap_create_engine_config(original: Any) -> Any:
         if not SamplingMaskConfig.from_additional_config(self.additional_config).enabled:
             return original(self, *args, **kwargs)
         check_engine_args(self)
-        _select_model_runner_v2()
+        _refuse_v1_runner_env()
         try:
             vllm_config = original(self, *args, **kwargs)
         except ValueError as exc:
@@ -97,17 +97,34 @@ def wrap_create_engine_config(original: Any) -> Any:
     return create_engine_config
 
 
-def _select_model_runner_v2() -> None:
-    # vLLM 0.26 silently falls back to the V1 runner for some configs when the env var is
-    # unset; our sampler hook lives in V2 only, so the switch makes the choice explicit (and
-    # V2 then raises instead of falling back). Engine processes inherit the environment.
+def _refuse_v1_runner_env() -> None:
+    """An explicit ``VLLM_USE_V2_MODEL_RUNNER=0`` contradicts the switch: say so."""
     value = os.environ.get(_MRV2_ENV)
     if value is not None and value.strip().lower() in ("0", "false"):
         raise ValueError(
             f"{CLI_FLAG} requires Model Runner V2, but {_MRV2_ENV}={value} selects the V1 runner. "
             f"Unset {_MRV2_ENV} or set it to 1."
         )
-    os.environ[_MRV2_ENV] = "1"
+
+
+def wrap_use_v2_model_runner(original: property) -> property:
+    """``VllmConfig.use_v2_model_runner``: True for a mask engine, in every process.
+
+    vLLM 0.26 reads ``VLLM_USE_V2_MODEL_RUNNER`` and otherwise falls back to the V1 runner for
+    some configurations, silently; our sampler hook exists in V2 only. Deciding from the config
+    (which every engine process receives) instead of setting the variable leaves other engines
+    of the process as stock, and V2's own validation still refuses configurations it can't run.
+    """
+    stock = original.fget
+
+    @functools.wraps(stock)
+    def use_v2_model_runner(self: Any) -> bool:
+        additional_config = self.additional_config
+        if isinstance(additional_config, dict) and additional_config.get(ENABLE_KEY) is True:
+            return True
+        return stock(self)
+
+    return property(use_v2_model_runner)
 
 
 def check_engine_args(engine_args: Any) -> None:
@@ -158,10 +175,5 @@ def check_vllm_config(vllm_config: Any) -> None:
             f"{CLI_FLAG} requires --logprobs-mode {REQUIRED_LOGPROBS_MODE}, got "
             f"{model_config.logprobs_mode!r}: returned logprobs must be pi_old normalised over "
             f"the same kept set as the mask. Pass logprobs_mode=\"{REQUIRED_LOGPROBS_MODE}\"."
-        )
-    if not vllm_config.use_v2_model_runner:
-        raise ValueError(
-            f"{CLI_FLAG} requires Model Runner V2, but this configuration selects the V1 runner. "
-            f"Set {_MRV2_ENV}=1 (or unset it)."
         )
     SamplingMaskConfig.of(vllm_config)  # validates the remaining keys

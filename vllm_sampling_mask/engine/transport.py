@@ -90,12 +90,16 @@ def check_client_decoder() -> None:
 
 
 def wrap_engine_init(original: Any) -> Any:
-    """``LLMEngine.__init__`` / ``AsyncLLM.__init__``: check the transport, tag the output processor."""
+    """``LLMEngine.__init__`` / ``AsyncLLM.__init__``: the engine-start checks (again, for engines
+    built from a ``VllmConfig`` without ``EngineArgs``), the transport check, and the output
+    processor's switch."""
+    from vllm_sampling_mask.engine.arg_utils import check_vllm_config
 
     @functools.wraps(original)
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         enabled = SamplingMaskConfig.of(vllm_config).enabled
         if enabled:
+            check_vllm_config(vllm_config)
             check_client_decoder()
         original(self, vllm_config, *args, **kwargs)
         self.output_processor.__dict__["sampling_mask_enabled"] = enabled
