@@ -52,16 +52,27 @@ def run_offline(model: str, top_k: int, top_p: float, max_tokens: int) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("model", nargs="?", help="model directory (default: build a tiny one)")
+def parse_arguments(argv: list[str]) -> tuple[str | None, argparse.Namespace, list[str]]:
+    """``(model or None, our options, vllm serve options)``. The model, if given, comes first
+    (so ``--serve --port 8001`` can't read ``8001`` as the model); options we don't know are
+    passed to ``vllm serve`` and are an error without ``--serve``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     usage="%(prog)s [MODEL] [--serve [vllm serve options ...]]")
     parser.add_argument("--serve", action="store_true",
                         help="run `vllm serve MODEL --return-sampling-mask` instead")
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--max-tokens", type=int, default=8)
-    args, serve_args = parser.parse_known_args(argv)
-    model = args.model
+    model = argv[0] if argv and not argv[0].startswith("-") else None
+    args, serve_args = parser.parse_known_args(argv[1:] if model is not None else argv)
+    if serve_args and not args.serve:
+        parser.error(f"unrecognized arguments: {' '.join(serve_args)} (vllm serve options "
+                     "need --serve)")
+    return model, args, serve_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    model, args, serve_args = parse_arguments(sys.argv[1:] if argv is None else argv)
     if model is None:
         from vllm_sampling_mask.tiny_model import build_tiny_model
 
