@@ -45,4 +45,5 @@ def test_setter_pickle_and_default() -> None:
     mask.token_ids = [[9]]
     assert mask.csr()[1].tolist() == [9] and len(mask) == 1
     assert SamplingMask().token_ids == [] and len(SamplingMask()) == 0
+    assert SamplingMask() and wire([])  # empty, yet a mask (not None) when tested for truth
     assert repr(SamplingMask([[1, 2]])) == "SamplingMask(token_ids=[[1, 2]])"

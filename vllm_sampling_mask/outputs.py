@@ -73,6 +73,11 @@ class SamplingMask:
     def __len__(self) -> int:
         return len(self._row_lengths) if self._rows is None else len(self._rows)
 
+    def __bool__(self) -> bool:
+        # A mask of 0 rows (a completion of 0 tokens) is still a mask: ``if out.sampling_mask:``
+        # tells "masks returned" from ``None`` as with upstream's dataclass.
+        return True
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SamplingMask):
             return NotImplemented
