@@ -1,8 +1,8 @@
 """The mechanism behind our patches of vLLM symbols (the list itself is in ``patches.py``).
 
 A ``Patch`` names one vLLM attribute (``module:Qualified.name``), every other module-level
-binding of the same object that must change with it, the vLLM versions it was written for, and
-why. ``apply_patches`` installs each patch as soon as its module is imported (an import hook
+binding of the same object that must change with it, and why; all of them were written for the
+vLLM series ``SUPPORTED_VLLM_SERIES`` (``check_vllm_version`` refuses any other). ``apply_patches`` installs each patch as soon as its module is imported (an import hook
 defers patches whose module is not imported yet), exactly once per process: applying again is a
 no-op, so every process may call it from any plugin entry point. A *scoped* patch is resolved and
 checked the same way but bound only where a mask engine needs it: inside a ``scoped_patch`` block,
@@ -50,7 +50,7 @@ def check_vllm_version(version: str) -> None:
             "uninstall vllm-sampling-mask and use vLLM's own feature."
         )
     else:
-        hint = "Install vllm==0.26.0 (pip install 'vllm==0.26.*')."
+        hint = "Install vLLM 0.26: pip install 'vllm==0.26.0' (the release it is tested with)."
     raise UnsupportedVllmVersionError(
         f"vllm-sampling-mask supports vLLM {SUPPORTED_VLLM_SERIES}.x only, got vLLM {version}. "
         f"{hint}"
