@@ -88,7 +88,8 @@ def _count_and_pack_kernel(
 ):
     # Blocks are the fast grid axis in both kernels, so a row's programs run together.
     block = tl.program_id(0)
-    row = tl.program_id(1)
+    # int64: row * logits_stride passes 2**31 from R * V >= 2**31 (e.g. 8192 rows of 262144).
+    row = tl.program_id(1).to(tl.int64)
     WORDS: tl.constexpr = BLOCK // 32
     # Load the block as a [WORDS, 32] tile: each word's 32 logits lie along the fast axis, so
     # the bit packing below is a reduction along axis 1 with no layout conversion.
