@@ -2,8 +2,9 @@
 
 A ``Patch`` names one vLLM attribute (``module:Qualified.name``), every other module-level
 binding of the same object that must change with it, and why; all of them were written for the
-vLLM series ``SUPPORTED_VLLM_SERIES`` (``check_vllm_version`` refuses any other). ``apply_patches`` installs each patch as soon as its module is imported (an import hook
-defers patches whose module is not imported yet), exactly once per process: applying again is a
+vLLM series ``SUPPORTED_VLLM_SERIES`` (``check_vllm_version`` refuses any other).
+``apply_patches`` installs each patch as soon as its module is imported (an import hook defers
+patches whose module is not imported yet), exactly once per process: applying again is a
 no-op, so every process may call it from any plugin entry point. A *scoped* patch is resolved and
 checked the same way but bound only where a mask engine needs it: inside a ``scoped_patch`` block,
 or on one object (``patch_instance``), so a per-output hot path costs nothing with the switch
@@ -294,6 +295,7 @@ def revert_patches(targets: list[str] | None = None) -> None:
             for other_module, other_name in record.rebound:
                 setattr(other_module, other_name, record.original)
             del _applied[target]
+            _scope_depths.pop(target, None)
         if targets is None:
             _pending.clear()
             if _finder in sys.meta_path:

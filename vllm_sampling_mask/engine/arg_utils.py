@@ -119,10 +119,7 @@ def wrap_use_v2_model_runner(original: property) -> property:
 
     @functools.wraps(stock)
     def use_v2_model_runner(self: Any) -> bool:
-        additional_config = self.additional_config
-        if isinstance(additional_config, dict) and additional_config.get(ENABLE_KEY) is True:
-            return True
-        return stock(self)
+        return SamplingMaskConfig.of(self).enabled or stock(self)
 
     return property(use_v2_model_runner)
 
