@@ -15,7 +15,7 @@ awaited before the next), in the order stock, off, on, optout:
 
 Each engine runs every batch size B: B random prompts of ``--prompt-len`` token ids
 (``TokensPrompt``), ``temperature=1.0, top_k=50, top_p=0.95, max_tokens=--output-len,
-ignore_eos=True, logprobs=None``. A short generate per B warms up first; then ``--reps``
+ignore_eos=True, logprobs=--logprobs`` (default None). A short generate per B warms up first; then ``--reps``
 rounds over all B, with fresh prompts each round (the same ones for every engine, so the prefix
 cache never helps). Throughput = output tokens / wall time of ``generate``; the median round is
 reported, and on/off per B; also the best round of each engine and their ratios (rounds can
@@ -76,6 +76,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--logprobs", type=int, help="SamplingParams.logprobs (default None; RL "
+                        "rollouts ask 1: stock returns raw logprobs, mask engines processed).")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                         help="Eager (default, fast start); --no-enforce-eager: torch.compile + "
                         "CUDA graphs.")
@@ -217,7 +219,7 @@ class EngineUnderTest:
         a = self.args
         extra_args = {"return_sampling_mask": False} if self.name == "optout" else None
         return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                              max_tokens=max_tokens, ignore_eos=True, logprobs=None,
+                              max_tokens=max_tokens, ignore_eos=True, logprobs=a.logprobs,
                               extra_args=extra_args)
 
     def warm_up(self) -> None:

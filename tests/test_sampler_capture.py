@@ -18,10 +18,23 @@ from vllm_sampling_mask.worker.sampler import (
 from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, WIDE_UNPACK_WIDTH, fetch_rows
 
 
+def slot_array(values: np.ndarray) -> SimpleNamespace:
+    """A vLLM ``UvaBackedTensor`` stand-in: ``np`` and ``gpu`` share one CPU buffer."""
+    tensor = torch.from_numpy(values)
+    return SimpleNamespace(np=values, gpu=tensor)
+
+
 def fake_sampler(vocab_size: int, max_num_reqs: int = 8) -> SimpleNamespace:
-    top_k = SimpleNamespace(np=np.full(max_num_reqs, vocab_size, dtype=np.int32))
-    return SimpleNamespace(use_flashinfer=True, sampling_states=SimpleNamespace(
-        vocab_size=vocab_size, max_num_reqs=max_num_reqs, top_k=top_k))
+    """Sampling states by request slot (no top_k / top_p, temperature 1) and vLLM's transforms
+    up to min-p as the identity."""
+    states = SimpleNamespace(
+        vocab_size=vocab_size, max_num_reqs=max_num_reqs,
+        top_k=slot_array(np.full(max_num_reqs, vocab_size, dtype=np.int32)),
+        top_p=slot_array(np.ones(max_num_reqs, dtype=np.float32)),
+        temperature=slot_array(np.ones(max_num_reqs, dtype=np.float32)),
+        seeds=slot_array(np.arange(max_num_reqs, dtype=np.int64)))
+    return SimpleNamespace(use_flashinfer=True, sampling_states=states,
+                           apply_sampling_params=lambda logits, *args, **kwargs: logits)
 
 
 def fake_config(enabled: bool, **extra) -> SimpleNamespace:
@@ -38,7 +51,7 @@ def test_capture_turns_the_flashinfer_sampler_off() -> None:
 
 
 def test_opted_out_rows_are_left_out_and_steps_without_masks_keep_vllms_sampler() -> None:
-    vocab = 1000
+    vocab = 2000  # the opted-out row has no top_k: over MAX_CANDIDATES, vLLM's path + compaction
     sampler = fake_sampler(vocab)
     attach_capture(sampler, fake_config(True))
     flashinfer_seen: list[bool] = []
@@ -56,7 +69,7 @@ def test_opted_out_rows_are_left_out_and_steps_without_masks_keep_vllms_sampler(
     logits[0, [7, 8, 9]] = 0.0
     logits[1] = 0.0  # the opted-out row keeps the whole vocabulary
 
-    sample(sampler, logits, None, np.array([2, 5]))
+    sample(sampler, logits, None, np.array([2, 5]), None, None, None)
     step = sampler.__dict__.pop("_sampling_mask_pending")
     # The width follows the wanting row (3 + slack), not the opted-out row's vocabulary.
     assert step.support.ids.shape == (2, 3 + tie_slack(3)) and not step.overflow_expected
@@ -64,7 +77,7 @@ def test_opted_out_rows_are_left_out_and_steps_without_masks_keep_vllms_sampler(
     rows = step.copy_to_host_nonblocking().unpack(np.ones(2, dtype=np.int32)).rows
     assert rows[0] == np.array([7, 8, 9], dtype="<i4").tobytes() and rows[1] is None
 
-    sample(sampler, logits[1:], None, np.array([5]))  # only opted-out requests in this step
+    sample(sampler, logits[1:], None, np.array([5]), None, None, None)  # only opted-out requests in this step
     assert sampler.__dict__.pop("_sampling_mask_pending") is NO_MASKS_WANTED
     assert flashinfer_seen[-1] is True  # vLLM's own choice of sampler
     assert NO_MASKS_WANTED.copy_to_host_nonblocking().unpack(np.ones(1)).rows == [None]
@@ -118,3 +131,37 @@ def test_wide_buffers_unpack_by_row_slices_to_the_same_rows() -> None:
     expected[2] = []
     assert [host.row(r).tolist() for r in range(4)] == expected
     assert host.row_lengths() == [600, 1, 0, 450]
+
+
+def test_steps_with_small_top_k_sample_with_the_candidates() -> None:
+    # Every row's top_k <= MAX_CANDIDATES: vLLM's top-k/top-p path is not called; the rows come
+    # from the candidate sampler (no bitmap), opted-out rows are sampled but not unpacked, and the
+    # processed logits are the kept ids' only when logprobs are returned.
+    vocab = 300
+    sampler = fake_sampler(vocab)
+    attach_capture(sampler, fake_config(True))
+    add_request = wrap_add_request(lambda self, req_idx, prompt_len, params: None)
+    add_request(sampler, 1, 5, SimpleNamespace(extra_args=None))
+    add_request(sampler, 4, 5, SimpleNamespace(extra_args={"return_sampling_mask": False}))
+    sampler.sampling_states.top_k.np[[1, 4]] = [3, 40]
+    sampler.sampling_states.top_p.np[4] = 0.5
+
+    def vllm_path(*args, **kwargs):
+        raise AssertionError("vLLM's top-k/top-p path ran")
+
+    sample = wrap_sample(vllm_path)
+    logits = torch.arange(2 * vocab, dtype=torch.float32).reshape(2, vocab) % 97
+    mapping = torch.tensor([1, 4], dtype=torch.int32)
+    positions = torch.tensor([10, 11])
+    sampled, processed = sample(sampler, logits.clone(), mapping, np.array([1, 4]), positions,
+                                None, None, return_logprobs=True)
+    step = sampler.__dict__.pop("_sampling_mask_pending")
+    assert step.support.bits is None and step.support.ids.shape == (2, 40)
+    rows = step.copy_to_host_nonblocking().unpack(np.ones(2, dtype=np.int32)).rows
+    assert np.frombuffer(rows[0], dtype="<i4").tolist() == [96, 193, 290]  # the three 96s
+    assert rows[1] is None
+    assert int(sampled[0]) in (96, 193, 290)
+    assert torch.isfinite(processed[0]).nonzero().flatten().tolist() == [96, 193, 290]
+    _, unfiltered = sample(sampler, logits.clone(), mapping, np.array([1, 4]), positions,
+                           None, None)
+    assert torch.equal(unfiltered, logits)  # not read by Sampler.__call__ without logprobs

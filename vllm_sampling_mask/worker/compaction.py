@@ -46,11 +46,12 @@ class CompactSupport:
     packed: ``[R, 1 + W]`` int32, column 0 the exact kept count of each row, columns 1.. its
             ascending kept ids (valid up to ``min(count, W)``): one contiguous block, so the
             per-step device->host transfer is a single copy.
-    bits:   ``[R, ceil(V / 32)]`` int32, bitmap of the kept ids of each row.
+    bits:   ``[R, ceil(V / 32)]`` int32, bitmap of the kept ids of each row; None where no
+            count exceeds W (the candidate sampler's masks).
     """
 
     packed: torch.Tensor
-    bits: torch.Tensor
+    bits: torch.Tensor | None
     vocab_size: int
 
     @property

@@ -1,13 +1,18 @@
 """Capture in the MRV2 sampler (extends ``vllm/v1/worker/gpu/sample/sampler.py``).
 
-``Sampler.sample`` returns the processed logits after every transform vLLM applies (logit bias,
-penalties, bad words, temperature, min-p, top-k/top-p; grammar masks come earlier), so that is
-where we compact. The FlashInfer sampler never materialises the filtered logits (its
-"processed" logits are the pre-top-k ones), so a step that captures masks never uses it. The
-sampler remembers which of its requests opted out (``extra_args["return_sampling_mask"] = False``):
-their rows go through the step's kernel call and copy with the others but do not set the copy
-width and are never unpacked, and a step with none that wants masks runs vLLM's sampler as it
-is (FlashInfer included) with no capture.
+A step in which some request wants masks samples with the candidate sampler
+(``candidate_sampler.py``: top-k, top-p and the sample over each row's top_k candidates, the kept
+ids written by the kernel that samples) when every request of the step has a ``top_k`` of at
+most ``MAX_CANDIDATES`` (and the engine's width cap). Other mask steps (top-p only, larger top_k) run vLLM's top-k/top-p +
+Gumbel path and compact the processed logits it returns, after every transform vLLM applies
+(logit bias, penalties, bad words, temperature, min-p, top-k/top-p; grammar masks come earlier);
+vLLM's FlashInfer sampler is never used there, since its "processed" logits are the pre-top-k
+ones. Both paths start from vLLM's own ``apply_sampling_params``.
+
+The sampler remembers which of its requests opted out (``extra_args["return_sampling_mask"] =
+False``): their rows are sampled and copied with the others but do not set the compaction width
+and are never unpacked, and a step with none that wants masks runs vLLM's sampler as it is
+(FlashInfer included) with no capture.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import numpy as np
 import torch
 
 from vllm_sampling_mask.config import SamplingMaskConfig, request_wants_masks
-from vllm_sampling_mask.worker.compaction import compact_support
+from vllm_sampling_mask.worker.candidate_sampler import MAX_CANDIDATES, sample_from_candidates
+from vllm_sampling_mask.worker.compaction import CompactSupport, compact_support
 from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, DeviceStepMasks
 
 _CAPTURE_ATTR = "sampling_mask_capture"
@@ -101,7 +107,8 @@ def wrap_add_request(original: Any) -> Any:
 
 
 def wrap_sample(original: Any) -> Any:
-    """``Sampler.sample``: compact the processed logits it returns (rows that want masks)."""
+    """``Sampler.sample``: sample mask steps with the candidate sampler where it applies, else
+    compact the processed logits vLLM's path returns (rows that want masks)."""
 
     @functools.wraps(original)
     def sample(
@@ -109,27 +116,57 @@ def wrap_sample(original: Any) -> Any:
         logits: torch.Tensor,
         expanded_idx_mapping: torch.Tensor,
         idx_mapping_np: np.ndarray,
-        *args: Any,
-        **kwargs: Any,
+        pos: torch.Tensor,
+        input_ids: torch.Tensor,
+        expanded_local_pos: torch.Tensor,
+        return_logprobs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        args = (logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids, expanded_local_pos)
         capture = self.__dict__.get(_CAPTURE_ATTR)
         if capture is None:
-            return original(self, logits, expanded_idx_mapping, idx_mapping_np, *args, **kwargs)
+            return original(self, *args, return_logprobs=return_logprobs)
         row_wants = capture.wants_masks[idx_mapping_np]
         any_wants = bool(row_wants.any())
+        if any_wants:
+            top_k_np = self.sampling_states.top_k.np[idx_mapping_np]
+            max_top_k = int(top_k_np.max())
+            if max_top_k <= min(MAX_CANDIDATES, capture.max_width):
+                return sample_with_candidates(self, args, max_top_k, return_logprobs,
+                                              None if row_wants.all() else row_wants)
         self.use_flashinfer = capture.use_flashinfer and not any_wants
-        sampled, processed_logits = original(
-            self, logits, expanded_idx_mapping, idx_mapping_np, *args, **kwargs
-        )
+        sampled, processed_logits = original(self, *args, return_logprobs=return_logprobs)
         if not any_wants:
             self.__dict__[_PENDING_ATTR] = NO_MASKS_WANTED
         else:
-            top_k_np = self.sampling_states.top_k.np[idx_mapping_np]
             self.__dict__[_PENDING_ATTR] = capture.compact(
                 processed_logits, top_k_np, None if row_wants.all() else row_wants)
         return sampled, processed_logits
 
     return sample
+
+
+def sample_with_candidates(
+    sampler: Any, args: tuple[Any, ...], max_top_k: int, return_logprobs: bool,
+    row_wants: np.ndarray | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Sampler.sample`` of a mask step whose top_k are all <= ``MAX_CANDIDATES``: vLLM's
+    transforms up to min-p, then the candidate sampler; leaves the step's masks pending.
+
+    ``args``: ``Sampler.sample``'s ``(logits, expanded_idx_mapping, idx_mapping_np, pos,
+    input_ids, expanded_local_pos)``. Returns ``(sampled [R] int64, processed logits)``; the
+    latter are filtered (``-inf`` outside each row's kept ids) when logprobs are returned, else
+    the pre-top-k logits, which ``Sampler.__call__`` does not read then.
+    """
+    logits = sampler.apply_sampling_params(*args, skip_top_k_top_p=True)
+    states = sampler.sampling_states
+    result = sample_from_candidates(
+        logits, max_top_k, args[1], states.top_k.gpu, states.top_p.gpu, states.temperature.gpu,
+        states.seeds.gpu, args[3], write_processed=return_logprobs,
+    )
+    support = CompactSupport(result.packed, None, logits.shape[1])
+    sampler.__dict__[_PENDING_ATTR] = DeviceStepMasks(support, overflow_expected=False,
+                                                      row_wants=row_wants)
+    return result.sampled, result.processed if return_logprobs else logits
 
 
 def wrap_call(original: Any) -> Any:

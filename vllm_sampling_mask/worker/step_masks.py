@@ -144,6 +144,9 @@ class HostStepMasks:
         """Replace ``rows[r]`` for every ``r`` in ``overflow`` (rows wider than W) with its ids
         read from the bitmap."""
         vocab_size = self.device.support.vocab_size
+        if self.device.support.bits is None:
+            raise RuntimeError(f"rows {overflow.tolist()} have more ids than the width and no "
+                               "bitmap. This is a bug in vllm-sampling-mask.")
         if self.bits is not None:
             bits = self.bits.numpy()[overflow]
         else:

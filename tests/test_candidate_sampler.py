@@ -1,0 +1,113 @@
+"""Candidate sampler (Triton) vs the torch reference of the kept sets, and its sampling law
+(CPU: Triton interpreter; GPU: ``gpu`` marker)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_sampling_mask.worker.candidate_sampler import (
+    MAX_CANDIDATES,
+    kept_candidates_reference,
+    sample_from_candidates,
+)
+
+DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+
+
+def run(logits: torch.Tensor, top_k: list[int], top_p: list[float], *, seeds: list[int] | None = None,
+        temperature: list[float] | None = None, pos: list[int] | None = None,
+        num_candidates: int | None = None, write_processed: bool = True):
+    """One request slot per row, in reverse order (the slot mapping is honoured)."""
+    device = logits.device
+    rows = logits.shape[0]
+    slots = torch.arange(rows - 1, -1, -1, device=device)
+    by_slot = lambda values, dtype: torch.tensor(values[::-1], dtype=dtype, device=device)  # noqa: E731
+    return sample_from_candidates(
+        logits, num_candidates or max(top_k), slots,
+        by_slot(top_k, torch.int32), by_slot(top_p, torch.float32),
+        by_slot(temperature or [1.0] * rows, torch.float32),
+        by_slot(seeds or list(range(rows)), torch.int64),
+        torch.tensor(pos or [7] * rows, dtype=torch.int64, device=device), write_processed)
+
+
+def rows_of(packed: torch.Tensor) -> list[list[int]]:
+    packed = packed.cpu()
+    return [packed[r, 1 : 1 + int(packed[r, 0])].tolist() for r in range(packed.shape[0])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("vocab", [37, 1000])
+def test_kept_sets_match_the_reference(device: str, dtype: torch.dtype, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    # Distinct values (a permutation, small integers: exact in bf16) so the top-k boundary has no
+    # ties to break; steps of 1/4 give top-p boundaries inside the first 30.
+    logits = torch.stack([torch.randperm(vocab, generator=gen).float() / 4 - vocab / 4
+                          for _ in range(6)])
+    logits[1, ::2] = float("-inf")  # fewer finite ids than top_k
+    logits[2, 3] = float("nan")
+    logits[3, 5] = float("inf")
+    logits = logits.to(dtype).to(device)
+    top_k = [5, 30, 1, 30, 17, 30]
+    top_p = [1.0, 0.9, 0.5, 1.0, 0.3, 0.999]
+    got = run(logits, top_k, top_p)
+    rows = rows_of(got.packed)
+    expected = kept_candidates_reference(logits.cpu(), top_k, top_p)
+    # NaN and +inf are never kept; where they rank (and so whether they take a top-k slot)
+    # depends on the top-k backend (torch.topk: first; FlashInfer's radix top-k on bf16 differs).
+    assert 3 not in rows[2] and 5 not in rows[3]
+    assert [row for r, row in enumerate(rows) if r not in (2, 3)] == [
+        row for r, row in enumerate(expected) if r not in (2, 3)]
+    sampled = got.sampled.cpu().tolist()
+    for r, row in enumerate(rows):
+        assert sampled[r] in row or not row, (r, sampled[r], row)
+        processed = got.processed[r].cpu()
+        assert torch.isfinite(processed).nonzero().flatten().tolist() == row
+        assert torch.equal(processed[row], logits[r].cpu()[row])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_rows_take_the_largest_and_seeds_reproduce(device: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 500, generator=gen).to(device)
+    args = dict(top_k=[50] * 4, top_p=[0.9] * 4, seeds=[3, 3, 4, 5], temperature=[1.0, 1.0, 0.0, 1.0])
+    first = run(logits.clone(), **args)
+    again = run(logits.clone(), **args)
+    assert torch.equal(first.sampled, again.sampled)  # same seed, position and logits
+    assert int(first.sampled[2]) == int(logits[2].argmax())
+    # Without logprobs no processed logits are built; the sample and the rows are the same.
+    bare = run(logits.clone(), **args, write_processed=False)
+    assert bare.processed is None and torch.equal(bare.sampled, first.sampled)
+    assert rows_of(bare.packed) == rows_of(first.packed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_samples_follow_the_renormalised_kept_distribution(device: str) -> None:
+    # One distribution in every row, a different position each: the empirical frequencies of the
+    # kept ids approach their renormalised probabilities, and dropped ids never come up. The
+    # interpreter runs a program in ~0.1 s: few rows there, a tolerance of ~3.5 sigma.
+    rows, atol = (400, 0.085) if device == "cpu" else (200_000, 0.005)
+    base = torch.full((64,), float("-inf"))
+    base[[3, 10, 20, 40, 50]] = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05]))
+    logits = base.repeat(rows, 1).to(device)
+    got = run(logits, [4] * rows, [0.8] * rows, seeds=[11] * rows, pos=list(range(rows)))
+    # top_k 4 drops id 50; top_p 0.8 over {.4, .3, .15, .1}/.95 keeps 3 (mass before: 0, .42, .74).
+    assert rows_of(got.packed[:1]) == [[3, 10, 20]]
+    counts = torch.bincount(got.sampled.cpu(), minlength=64).float() / rows
+    expected = torch.zeros(64)
+    expected[[3, 10, 20]] = torch.tensor([0.4, 0.3, 0.15]) / 0.85
+    assert counts[[40, 50]].sum() == 0
+    assert torch.allclose(counts, expected, atol=atol), counts[[3, 10, 20]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_candidate_count_bounds(device: str) -> None:
+    logits = torch.randn(2, 100, device=device)
+    with pytest.raises(ValueError, match="num_candidates"):
+        run(logits, [5, 5], [1.0, 1.0], num_candidates=101)
+    with pytest.raises(ValueError, match="num_candidates"):
+        run(torch.randn(1, MAX_CANDIDATES + 10, device=device), [5], [1.0],
+            num_candidates=MAX_CANDIDATES + 1)
+    empty = run(logits[:0], [5], [1.0], num_candidates=5)
+    assert empty.packed.shape == (0, 6)

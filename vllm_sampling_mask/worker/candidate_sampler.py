@@ -1,0 +1,209 @@
+"""Top-k / top-p sampling that returns the kept set it sampled from (Triton + torch reference).
+
+A mask step whose requests all have a ``top_k`` of at most ``MAX_CANDIDATES`` samples here instead
+of in vLLM's top-k/top-p + Gumbel path followed by the ``[R, V]`` compaction:
+
+1. ``top_candidates`` takes each row's ``K`` largest processed logits (``K`` = the batch's
+   largest top_k), sorted descending: the candidates (NaN and +inf rank first and are never kept: a row
+   whose top_k candidates are all non-finite keeps nothing; only a broken model gets there,
+   since requests with non-finite logit_bias are refused);
+2. one Triton program per row keeps the first ``top_k`` finite candidates, then the top-p prefix
+   of those (top-k first, then top-p over the renormalised top-k, vLLM's order), samples one of
+   the kept ids with Gumbel noise seeded by the request's seed and position, sorts the kept ids
+   ascending into the row's ``packed`` mask and, when logprobs are returned, writes their logits
+   into a ``-inf`` processed-logits tensor.
+
+So the sampled token is drawn from exactly the ids written to its row, whatever ``topk`` does
+with ties (it keeps exactly ``K``); every step costs two launches plus the processed-logits fill,
+the mask is ``[R, 1 + K]`` int32 with no bitmap, and the work after ``topk`` touches ``K`` ids per
+row instead of the vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm.triton_utils import tl, triton
+
+# Largest top_k sampled here: a program sorts its row's candidates in registers.
+MAX_CANDIDATES = 1024
+_NO_ID = tl.constexpr(2**31 - 1)  # sorts after every vocabulary id
+
+
+@dataclass
+class CandidateSample:
+    """Result of ``sample_from_candidates`` (tensors on the logits' device).
+
+    sampled:   ``[R]`` int64, the sampled token of each row.
+    packed:    ``[R, 1 + K]`` int32: column 0 the number of kept ids (<= K), then the kept ids
+               ascending (slots past the count are unspecified).
+    processed: ``[R, V]`` the logits' dtype, the processed logits at the kept ids and ``-inf``
+               elsewhere (None unless asked for).
+    """
+
+    sampled: torch.Tensor
+    packed: torch.Tensor
+    processed: torch.Tensor | None
+
+
+@triton.jit
+def _log1p(x):
+    """log(1 + x), accurate for tiny |x| (Goldberg: log(y) * x / (y - 1) with y = 1 + x); no
+    libdevice, so it also runs in the interpreter."""
+    y = 1.0 + x
+    return tl.where(y == 1.0, x, tl.log(y) * (x / tl.where(y == 1.0, 1.0, y - 1.0)))
+
+
+@triton.jit
+def _sample_candidates_kernel(
+    values_ptr,
+    ids_ptr,
+    candidates_stride,
+    row_to_req_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    temperature_ptr,
+    seeds_ptr,
+    pos_ptr,
+    sampled_ptr,
+    packed_ptr,
+    packed_stride,
+    processed_ptr,
+    processed_stride,
+    num_candidates,
+    WRITE_PROCESSED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    req = tl.load(row_to_req_ptr + row).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    in_range = offs < num_candidates
+    values = tl.load(values_ptr + row * candidates_stride + offs, mask=in_range,
+                     other=float("-inf")).to(tl.float32)
+    ids = tl.load(ids_ptr + row * candidates_stride + offs, mask=in_range, other=0)
+    # Top-k: the first top_k candidates (sorted descending), finite only (v - v is 0 exactly for
+    # finite v, NaN for +-inf and NaN).
+    top_k = tl.load(top_k_ptr + req)
+    kept = in_range & (offs < top_k) & ((values - values) == 0.0)
+    # Top-p over the renormalised top-k: keep a candidate while the mass before it is below p
+    # (the first is always kept). p >= 1 keeps all: the fp32 running sum can reach 1 before the
+    # last candidates.
+    top_p = tl.load(top_p_ptr + req)
+    if top_p < 1.0:
+        largest = tl.max(tl.where(kept, values, float("-inf")), axis=0)
+        weights = tl.where(kept, tl.exp(values - largest), 0.0)
+        probs = weights / tl.sum(weights, axis=0)
+        kept = kept & ((tl.cumsum(probs, axis=0) - probs) < top_p)
+    # Sample: argmax of logit + Gumbel noise over the kept ids (the processed logits already
+    # carry the temperature). Greedy rows (temperature 0, only requests without masks) take the
+    # largest. The noise of a token depends on its id, the seed and the position only, so a
+    # seeded request samples the same token whatever order topk returns ties in. Noise is
+    # -log(E) with E = -log(1 - u): small E (the winners) comes from small u, where fp32 is fine.
+    seed = tl.load(seeds_ptr + req)
+    pos = tl.load(pos_ptr + row)
+    u = tl.maximum(tl.rand(tl.randint(seed, pos), ids.to(tl.int32)), 1e-10)
+    noise = -tl.log(-_log1p(-u))
+    best = tl.argmax(tl.where(kept, values + noise, float("-inf")), axis=0)
+    best = tl.where(tl.load(temperature_ptr + req) == 0.0, 0, best)
+    tl.store(sampled_ptr + row, tl.sum(tl.where(offs == best, ids, 0), axis=0))
+    # The row's mask: kept ids ascending.
+    out = packed_ptr + row * packed_stride
+    tl.store(out, tl.sum(kept.to(tl.int32), axis=0))
+    sorted_ids = tl.sort(tl.where(kept, ids.to(tl.int32), _NO_ID))
+    tl.store(out + 1 + offs, sorted_ids, mask=in_range)
+    if WRITE_PROCESSED:
+        tl.store(processed_ptr + row * processed_stride + ids, values, mask=kept)
+
+
+@functools.cache
+def _flashinfer_top_k() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    try:
+        from flashinfer import top_k
+    except ImportError:
+        return None
+    return top_k
+
+
+def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values [R, k], ids [R, k] int64)``: each row's ``k`` largest logits, descending.
+
+    On CUDA with FlashInfer (a requirement of vLLM 0.26) its radix top-k, deterministic (the
+    same input gives the same ids in the same order, ties included); elsewhere ``torch.topk``.
+    H200, 151936 ids, k 50: ``torch.topk`` costs ~20 launches (86 us of host time at one row)
+    and 0.6 ms of device time at 256 rows, FlashInfer's 0.17 ms (benchmarks/bench_sampler_paths.py).
+    """
+    flashinfer_top_k = _flashinfer_top_k() if logits.is_cuda else None
+    if flashinfer_top_k is None:
+        return torch.topk(logits, k, dim=1)
+    return flashinfer_top_k(logits, k, sorted=True, deterministic=True)
+
+
+def sample_from_candidates(
+    logits: torch.Tensor,
+    num_candidates: int,
+    row_to_req: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    pos: torch.Tensor,
+    write_processed: bool,
+) -> CandidateSample:
+    """Top-k / top-p sample each row and return its kept set (no host sync).
+
+    Args:
+        logits: ``[R, V]`` float32 / bfloat16 / float16 processed logits (temperature, penalties,
+            min-p applied), last dim contiguous. Read only.
+        num_candidates: ``K``, ``1 <= K <= min(V, MAX_CANDIDATES)``: at least every row's top_k.
+        row_to_req: ``[R]`` int, the request slot of each row (vLLM's ``expanded_idx_mapping``).
+        top_k, top_p, temperature, seeds: ``[max_num_reqs]`` by request slot: int32 (the
+            vocabulary size for "no top_k"), float32 (1.0: no top_p), float32, int64.
+        pos: ``[R]`` int64, each row's position (with the seed, picks the Gumbel noise).
+        write_processed: also return the ``[R, V]`` processed logits of the kept ids.
+    """
+    num_rows, vocab_size = logits.shape
+    if not 1 <= num_candidates <= min(vocab_size, MAX_CANDIDATES):
+        raise ValueError(f"num_candidates must be in [1, {min(vocab_size, MAX_CANDIDATES)}], "
+                         f"got {num_candidates}")
+    if logits.stride(1) != 1:
+        raise ValueError(f"logits must have a contiguous last dim, got strides {logits.stride()}")
+    device = logits.device
+    sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
+    packed = torch.empty((num_rows, 1 + num_candidates), dtype=torch.int32, device=device)
+    processed = torch.full_like(logits, float("-inf")) if write_processed else None
+    if num_rows == 0:
+        return CandidateSample(sampled, packed, processed)
+    values, ids = top_candidates(logits, num_candidates)
+    block = max(triton.next_power_of_2(num_candidates), 16)
+    _sample_candidates_kernel[(num_rows,)](
+        values, ids, values.stride(0), row_to_req, top_k, top_p, temperature, seeds, pos,
+        sampled, packed, packed.stride(0),
+        processed if write_processed else logits,  # never written unless WRITE_PROCESSED
+        logits.stride(0), num_candidates,
+        WRITE_PROCESSED=write_processed, BLOCK=block, num_warps=4 if block <= 256 else 8,
+    )
+    return CandidateSample(sampled, packed, processed)
+
+
+def kept_candidates_reference(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float]
+) -> list[list[int]]:
+    """Plain torch reference of the kept sets (fp32, one row at a time): of the top_k largest
+    logits (NaN ranks above +inf, as in ``torch.topk``; ties at the boundary: any of them) the
+    finite ones, then the shortest prefix in descending order whose mass before each kept id is
+    below top_p. Returns each row's ids ascending."""
+    rows = []
+    for row, k, p in zip(logits.float(), top_k, top_p):
+        values, ids = torch.sort(row, descending=True)
+        values, ids = values[:k], ids[:k]
+        finite = torch.isfinite(values)
+        values, ids = values[finite], ids[finite]
+        if p < 1.0 and ids.numel():
+            probs = torch.softmax(values, dim=0)
+            ids = ids[(torch.cumsum(probs, dim=0) - probs) < p]
+        rows.append(sorted(ids.tolist()))
+    return rows
