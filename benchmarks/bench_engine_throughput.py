@@ -142,7 +142,8 @@ def sampler_info(cuda: bool) -> dict[str, Any]:
     return {"VLLM_USE_FLASHINFER_SAMPLER": env, "flashinfer_imports": flashinfer_imports,
             "flashinfer_import_error": error, "off_sampler": off,
             "on_sampler": off if not cuda else
-            "triton (the plugin disables FlashInfer when masks are on)"}
+            "the plugin's candidate sampler where every top_k <= 1024 (FlashInfer's radix "
+            "top-k + one Triton kernel), else vLLM's Triton top-k/top-p + compaction"}
 
 
 def small_model() -> str:

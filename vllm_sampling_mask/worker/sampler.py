@@ -24,7 +24,11 @@ import numpy as np
 import torch
 
 from vllm_sampling_mask.config import SamplingMaskConfig, request_wants_masks
-from vllm_sampling_mask.worker.candidate_sampler import MAX_CANDIDATES, sample_from_candidates
+from vllm_sampling_mask.worker.candidate_sampler import (
+    MAX_CANDIDATES,
+    sample_from_candidates,
+    top_candidates,
+)
 from vllm_sampling_mask.worker.compaction import CompactSupport, compact_support
 from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, DeviceStepMasks
 
@@ -79,6 +83,9 @@ def attach_capture(sampler: Any, vllm_config: Any) -> None:
         config.max_width, states.vocab_size, states.max_num_reqs, sampler.use_flashinfer
     )
     sampler.use_flashinfer = False
+    # FlashInfer JIT-compiles its top-k kernels on first use (minutes on a new machine): do it
+    # while the engine loads, not in the first request's step.
+    top_candidates(torch.zeros((1, states.vocab_size), device=states.top_k.gpu.device), 1)
 
 
 def wrap_load_model(original: Any) -> Any:
