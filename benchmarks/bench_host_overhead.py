@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     timed("frontend", lambda proc: process(proc, decoded.outputs), frontend_setup)
     processor = frontend_setup()
     process(processor, decoded.outputs)
-    first_rows = processor.request_states[request_ids[0]].sampling_mask_rows.materialized()
+    first_rows = processor.request_states[request_ids[0]].sampling_mask_rows.live().token_ids
     assert first_rows == [step.row(0).tolist()], "frontend rows differ from the worker's"
 
     # (e) attach: _new_completion_output for every request, DELTA (streaming: every step). The
@@ -242,8 +242,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     def attach_setup() -> list[Any]:
         states = []
         for i, (rid, tok) in enumerate(zip(request_ids, tokens)):
-            held = RequestMaskRows()
-            held.pending.append(step.rows[i])
+            held = RequestMaskRows(streaming=True)
+            held.append(step.rows[i])
             states.append(Stub(request_id=rid, completion=SimpleNamespace(token_ids=[tok]),
                                output_kind=RequestOutputKind.DELTA, sampling_mask_rows=held))
         return states

@@ -103,6 +103,22 @@ def test_rows_without_logprobs_and_streaming_style_outputs(llm) -> None:
         assert check_completion(completion, with_logprobs=False) == []
 
 
+def test_seeded_requests_reproduce_run_to_run(llm) -> None:
+    """The candidate sampler's noise depends on the request's seed and position: a seeded batch
+    generated twice gives the same tokens and rows (unseeded requests differ)."""
+    from vllm import SamplingParams
+
+    prompts = ["Hello world", "the quick brown fox", "kalo mitor"]
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=0.9, max_tokens=10, seed=100 + k)
+              for k in (5, 20, 40)]
+    first, again = generate(llm, prompts, params), generate(llm, prompts, params)
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert [c.sampling_mask.token_ids for c in first] == [c.sampling_mask.token_ids for c in again]
+    unseeded = [SamplingParams(temperature=1.0, top_k=40, max_tokens=10) for _ in range(2)]
+    a, b = generate(llm, prompts[:1] * 2, unseeded)
+    assert a.token_ids != b.token_ids  # 10 draws from top-40 rows: equal by chance ~never
+
+
 def test_opted_out_requests_share_batches_and_get_no_mask(llm) -> None:
     """``extra_args["return_sampling_mask"] = False``: not checked (greedy, no top_k), no mask;
     the mask requests in the same batches still satisfy the contract, and a batch of only

@@ -17,20 +17,23 @@ class SamplingMask:
     The engine hands over the rows as the int32 bytes they travelled in and builds the Python
     lists of ``token_ids`` on first access, so streaming a mask costs no list building per step.
     ``csr()`` reads them as numpy arrays without building the lists at all (what
-    ``vllm_sampling_mask.training.PackedMasks.from_any`` uses).
+    ``vllm_sampling_mask.training.PackedMasks.from_any`` uses). The mask of a CUMULATIVE output
+    (non-streaming HTTP) is live: it reads the request's row buffer, which keeps growing with the
+    request like the output's ``token_ids`` list.
     """
 
     __slots__ = ("_rows", "_row_lengths", "_blob")
 
     def __init__(self, token_ids: list[list[int]] | None = None) -> None:
         self._rows: list[list[int]] | None = [] if token_ids is None else token_ids
-        self._row_lengths: list[int] | None = None
-        self._blob: bytes | None = None
+        self._row_lengths: Sequence[int] | None = None
+        self._blob: bytes | bytearray | None = None
 
     @classmethod
-    def from_wire(cls, row_lengths: list[int], blob: bytes) -> SamplingMask:
+    def from_wire(cls, row_lengths: Sequence[int], blob: bytes | bytearray) -> SamplingMask:
         """Rows of ``row_lengths[i]`` ids each, concatenated in ``blob`` as little-endian int32
-        (decoded lazily)."""
+        (decoded lazily). A ``bytearray`` blob (with its lengths) is read live: rows appended to
+        both later are part of the mask."""
         mask = cls.__new__(cls)
         mask._rows, mask._row_lengths, mask._blob = None, row_lengths, blob
         return mask
@@ -45,25 +48,37 @@ class SamplingMask:
 
     @property
     def token_ids(self) -> list[list[int]]:
-        if self._rows is None:
-            flat = np.frombuffer(self._blob, dtype="<i4").tolist()
-            rows, start = [], 0
-            for length in self._row_lengths:
-                rows.append(flat[start:start + length])
-                start += length
-            self._rows, self._row_lengths, self._blob = rows, None, None
+        if self._blob is not None and (self._rows is None
+                                       or len(self._rows) < len(self._row_lengths)):
+            self._decode()
         return self._rows
 
     @token_ids.setter
     def token_ids(self, rows: list[list[int]]) -> None:
         self._rows, self._row_lengths, self._blob = rows, None, None
 
+    def _decode(self) -> None:
+        """Decode the rows not decoded yet; keep the bytes only while they are live."""
+        rows = [] if self._rows is None else self._rows
+        lengths = self._row_lengths
+        start = 4 * sum(lengths[: len(rows)])
+        flat = np.frombuffer(self._blob, dtype="<i4", offset=start).tolist()
+        offset = 0
+        for length in lengths[len(rows):]:
+            rows.append(flat[offset:offset + length])
+            offset += length
+        self._rows = rows
+        if not isinstance(self._blob, bytearray):
+            self._row_lengths, self._blob = None, None
+
     def csr(self) -> tuple[np.ndarray, np.ndarray]:
         """``(row_lengths [T] int64, token_ids [N] int32)``: the rows as CSR arrays (read-only
         views of the engine's bytes when ``token_ids`` was never accessed)."""
-        if self._rows is None:
+        if self._blob is not None:
+            # A live buffer is copied: a view would stop the request from appending to it.
+            blob = bytes(self._blob) if isinstance(self._blob, bytearray) else self._blob
             return (np.asarray(self._row_lengths, dtype=np.int64),
-                    np.frombuffer(self._blob, dtype="<i4").astype(np.int32, copy=False))
+                    np.frombuffer(blob, dtype="<i4").astype(np.int32, copy=False))
         rows = self._rows
         lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
         ids = np.fromiter((i for row in rows for i in row), dtype=np.int32,
@@ -71,7 +86,7 @@ class SamplingMask:
         return lengths, ids
 
     def __len__(self) -> int:
-        return len(self._row_lengths) if self._rows is None else len(self._rows)
+        return len(self._rows) if self._row_lengths is None else len(self._row_lengths)
 
     def __bool__(self) -> bool:
         # A mask of 0 rows (a completion of 0 tokens) is still a mask: ``if out.sampling_mask:``
@@ -89,7 +104,11 @@ class SamplingMask:
         return f"SamplingMask(token_ids={self.token_ids!r})"
 
     def __getstate__(self) -> tuple[list[list[int]] | None, list[int] | None, bytes | None]:
-        return self._rows, self._row_lengths, self._blob
+        if self._blob is None:
+            return self._rows, None, None
+        if self._rows is not None and len(self._rows) == len(self._row_lengths):
+            return self._rows, None, None
+        return None, list(self._row_lengths), bytes(self._blob)  # a live mask, as it is now
 
     def __setstate__(self, state: tuple[list[list[int]] | None, list[int] | None,
                                         bytes | None]) -> None:

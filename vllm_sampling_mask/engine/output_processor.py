@@ -11,6 +11,7 @@ freed with it (finish, abort, disconnect).
 from __future__ import annotations
 
 import functools
+from array import array
 from typing import Any
 
 from vllm_sampling_mask import patching
@@ -24,38 +25,56 @@ COMPLETION_OUTPUT_METHOD = "vllm.v1.engine.output_processor:RequestState._new_co
 
 
 class RequestMaskRows:
-    """One request's rows: decoded rows, then rows still as the int32 bytes they came in.
+    """One request's rows, kept as the little-endian int32 bytes they came in.
 
-    Rows are decoded only when an output needs Python lists (CUMULATIVE outputs, every step);
-    FINAL_ONLY and DELTA outputs get a ``SamplingMask`` over the rows' bytes, decoded on the
-    user's first access of ``token_ids``, so the per-step frontend work is a list append. DELTA
-    hands each row out once, so its rows are dropped when handed out.
+    ``SamplingMask`` decodes rows into Python lists only when a user reads ``token_ids``.
+    Streamed (DELTA) requests hand each row out at the next output, so they keep the rows'
+    bytes objects as they arrived (``pending``: no copy per step). The others keep one growing
+    buffer of ids and one length per row, ~4 bytes per kept id however long the request:
+    FINAL_ONLY outputs take the rows once at the end (``take_last``), CUMULATIVE outputs
+    (non-streaming HTTP) get ``live()``, a mask over the holder's own buffers that grows with
+    the request, as the detokenizer's token list handed out with it does.
     """
 
-    __slots__ = ("rows", "pending")
+    __slots__ = ("lengths", "blob", "pending")
 
-    def __init__(self) -> None:
-        self.rows: list[list[int]] = []
-        self.pending: list[bytes] = []  # one wire row (little-endian int32 ids) per token
+    def __init__(self, streaming: bool = False) -> None:
+        self.lengths = array("i")  # ids per row
+        self.blob = bytearray()  # every row's ids, concatenated
+        self.pending: list[bytes] | None = [] if streaming else None
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self.pending)
+        return len(self.lengths) if self.pending is None else len(self.pending)
 
-    def materialized(self) -> list[list[int]]:
-        """All rows so far (the same list object every call: it only grows)."""
-        if self.pending:
-            self.rows.extend(rows_mask(self.pending).token_ids)
-            self.pending.clear()
-        return self.rows
+    def append(self, row: bytes) -> None:
+        """Add one token's wire row (its kept ids, ascending, little-endian int32)."""
+        if self.pending is not None:
+            self.pending.append(row)
+            return
+        self.blob += row
+        self.lengths.append(len(row) >> 2)
+
+    def live(self) -> SamplingMask:
+        """All rows so far, and every row appended later (CUMULATIVE outputs)."""
+        return SamplingMask.from_wire(self.lengths, self.blob)
 
     def take_last(self, num_rows: int) -> SamplingMask:
         """The last ``num_rows`` rows, undecoded; every row held is dropped (DELTA and
-        FINAL_ONLY outputs, which never call ``materialized``).
+        FINAL_ONLY outputs). Requires ``num_rows <= len(self)``."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, []
+            return rows_mask(pending if len(pending) == num_rows else pending[-num_rows:])
+        mask = self.snapshot_last(num_rows)
+        self.lengths, self.blob = array("i"), bytearray()
+        return mask
 
-        Requires ``num_rows <= len(self.pending)``.
-        """
-        pending, self.pending = self.pending, []
-        return rows_mask(pending if len(pending) == num_rows else pending[len(pending) - num_rows:])
+    def snapshot_last(self, num_rows: int) -> SamplingMask:
+        """The last ``num_rows`` rows as they are now (a copy); nothing is dropped. Not for
+        streaming holders."""
+        dropped = len(self.lengths) - num_rows
+        start = 4 * sum(self.lengths[:dropped]) if dropped else 0
+        return SamplingMask.from_wire(self.lengths[dropped:].tolist(),
+                                      bytes(memoryview(self.blob)[start:]))
 
 
 def mask_rows_of(state: Any) -> RequestMaskRows:
@@ -63,7 +82,10 @@ def mask_rows_of(state: Any) -> RequestMaskRows:
     state's own ``_new_completion_output`` that attaches the rows (other states keep vLLM's)."""
     holder = state.__dict__.get(_ROWS_ATTR)
     if holder is None:
-        holder = state.__dict__[_ROWS_ATTR] = RequestMaskRows()
+        from vllm.sampling_params import RequestOutputKind
+
+        streaming = getattr(state, "output_kind", None) is RequestOutputKind.DELTA
+        holder = state.__dict__[_ROWS_ATTR] = RequestMaskRows(streaming)
         patching.patch_instance(COMPLETION_OUTPUT_METHOD, state)
     return holder
 
@@ -119,7 +141,7 @@ def wrap_process_outputs(original: Any) -> Any:
                 holder = state.__dict__.get(_ROWS_ATTR)
                 if holder is None:
                     holder = mask_rows_of(state)
-                holder.pending.append(row)
+                holder.append(row)
         return original(self, engine_core_outputs, *args, **kwargs)
 
     return process_outputs
@@ -146,13 +168,12 @@ def wrap_new_completion_output(original: Any) -> Any:
             # DELTA: the new tokens' rows; FINAL_ONLY: all rows (built once, at the end).
             completion.sampling_mask = holder.take_last(num_tokens)
             return completion
-        rows = holder.materialized()
         # CUMULATIVE outputs hand out the detokenizer's live token list, which keeps growing
-        # after the output is returned: share the live row list the same way so the two stay
+        # after the output is returned: hand out the live rows the same way so the two stay
         # aligned for a consumer that reads the output later.
-        live = len(rows) == num_tokens and completion.token_ids is getattr(
+        live = num_rows == num_tokens and completion.token_ids is getattr(
             self.detokenizer, "token_ids", None)
-        completion.sampling_mask = SamplingMask(rows if live else rows[len(rows) - num_tokens:])
+        completion.sampling_mask = holder.live() if live else holder.snapshot_last(num_tokens)
         return completion
 
     return _new_completion_output
