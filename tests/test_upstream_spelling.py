@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def test_sampling_mask_import():
     # Upstream's own test (tests/test_outputs.py), unchanged.
@@ -40,3 +42,64 @@ def test_upstream_module_comes_from_the_plugin(subprocess_env: dict) -> None:
     result = run_fresh("import vllm.sampling_mask", env)
     assert result.returncode == 1
     assert "No module named 'vllm.sampling_mask'" in result.stderr
+
+
+@pytest.mark.parametrize("engine_args_class", ["EngineArgs", "AsyncEngineArgs"])
+@pytest.mark.parametrize("keywords", [
+    {"enable_return_sampling_mask": True},
+    {"return_sampling_mask": True},
+    {"return_sampling_mask": True, "enable_return_sampling_mask": True},
+    {"enable_return_sampling_mask": False},
+])
+def test_both_keyword_spellings_are_the_switch(tiny_model_dir: str, engine_args_class: str,
+                                               keywords: dict[str, bool]) -> None:
+    import vllm.engine.arg_utils
+
+    engine_args = getattr(vllm.engine.arg_utils, engine_args_class)(model=tiny_model_dir,
+                                                                     **keywords)
+    assert engine_args.additional_config == {"return_sampling_mask": next(iter(keywords.values()))}
+
+
+@pytest.mark.parametrize("keywords, message", [
+    ({"return_sampling_mask": True, "enable_return_sampling_mask": False},
+     "return_sampling_mask and enable_return_sampling_mask are two spellings of one switch and "
+     "must agree, got True and False. Pass only one of them."),
+    ({"enable_return_sampling_mask": "yes"}, "enable_return_sampling_mask must be a bool, got 'yes'."),
+])
+def test_conflicting_or_non_bool_keywords_are_refused(tiny_model_dir: str, keywords: dict,
+                                                      message: str) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    for engine_args_class in (EngineArgs, AsyncEngineArgs):
+        with pytest.raises(ValueError) as error:
+            engine_args_class(model=tiny_model_dir, **keywords)
+        assert str(error.value) == message
+
+
+class _EngineArgsSeen(Exception):
+    pass
+
+
+def test_llm_takes_upstreams_keyword(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.entrypoints.llm
+    from vllm import LLM
+
+    def capture(engine_args, **kwargs):
+        raise _EngineArgsSeen(engine_args)
+
+    monkeypatch.setattr(vllm.entrypoints.llm.LLMEngine, "from_engine_args", capture)
+    with pytest.raises(_EngineArgsSeen) as seen:
+        LLM(tiny_model_dir, enable_return_sampling_mask=True, logprobs_mode="processed_logprobs")
+    assert seen.value.args[0].additional_config == {"return_sampling_mask": True}
+    with pytest.raises(ValueError, match="must agree"):
+        LLM(tiny_model_dir, enable_return_sampling_mask=True, return_sampling_mask=False)
+
+
+@pytest.mark.parametrize("flag", ["--return-sampling-mask", "--enable-return-sampling-mask"])
+def test_both_cli_spellings_are_the_switch(tiny_model_dir: str, flag: str) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", tiny_model_dir, flag])
+    assert AsyncEngineArgs.from_cli_args(args).additional_config == {"return_sampling_mask": True}
