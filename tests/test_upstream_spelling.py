@@ -9,8 +9,8 @@ import textwrap
 import pytest
 
 
+# Upstream's own test (tests/test_outputs.py), unchanged.
 def test_sampling_mask_import():
-    # Upstream's own test (tests/test_outputs.py), unchanged.
     from vllm.sampling_mask import SamplingMask
     from vllm.outputs import SamplingMask as S2
 
