@@ -142,13 +142,15 @@ def test_a_non_dict_additional_config_is_a_switch_off_engine(tiny_model_dir: str
     assert not SamplingMaskConfig.of(vllm_config).enabled
 
 
-def test_cli_lists_the_flag(subprocess_env: dict[str, str]) -> None:
+def test_cli_lists_the_flag_and_its_upstream_spelling(subprocess_env: dict[str, str]) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--help=all"],
         capture_output=True, text=True, env=subprocess_env, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "--return-sampling-mask" in result.stdout
+    help_text = " ".join(result.stdout.split()).replace("- ", "-")  # argparse wraps lines
+    assert "--return-sampling-mask, --enable-return-sampling-mask" in help_text
+    assert "Upstream vLLM's docs spell the same switch --enable-return-sampling-mask." in help_text
 
 
 def test_cli_flag_reaches_additional_config(tiny_model_dir: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
 import pytest
 
@@ -21,7 +22,7 @@ def test_targets_are_unique_and_documented() -> None:
     targets = [p.target for p in PATCHES]
     assert len(targets) == len(set(targets))
     for patch in PATCHES:
-        assert patch.module.startswith("vllm."), patch.target
+        assert patch.module == "vllm" or patch.module.startswith("vllm."), patch.target
         assert patch.why and patch.process in {"frontend", "engine-core", "worker"}, patch.target
 
 
@@ -170,6 +171,7 @@ def test_reverting_the_real_list_restores_vllm_and_reapplies() -> None:
         for target, (owner, name, original) in current.items():
             if original is patching._MISSING:
                 assert not hasattr(owner, name), target
+                assert f"{owner.__name__}.{name}" not in sys.modules, target
             else:
                 assert patching._raw_attr(owner, name) is original, target
     finally:
@@ -191,6 +193,54 @@ def test_deferred_patch_applies_on_import(tmp_path, monkeypatch: pytest.MonkeyPa
         assert vllm_fake_later.f() == 2
     finally:
         revert_patches([patch.target])
+
+
+def test_new_module_installs_while_its_package_is_still_executing(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As the platform plugin does during `import vllm`: the patch list is applied from inside
+    # the package's __init__, and `from package.new import X` must work right after.
+    package = tmp_path / "vllm_fake_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from vllm_sampling_mask.patching import Patch, apply_patches\n"
+        "apply_patches([Patch(target='vllm_fake_pkg:extra', make='vllm_fake_pkg_make:make',\n"
+        "                     why='test', process='frontend', adds=True, new_module=True)])\n")
+    (tmp_path / "vllm_fake_pkg_make.py").write_text(
+        "import types\n"
+        "def make(original):\n"
+        "    module = types.ModuleType('vllm_fake_pkg.extra')\n"
+        "    module.VALUE = original\n"
+        "    return module\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        from vllm_fake_pkg.extra import VALUE
+
+        import vllm_fake_pkg
+
+        assert VALUE is None and sys.modules["vllm_fake_pkg.extra"] is vllm_fake_pkg.extra
+    finally:
+        revert_patches(["vllm_fake_pkg:extra"])
+        sys.modules.pop("vllm_fake_pkg", None)
+    assert "vllm_fake_pkg.extra" not in sys.modules
+
+
+def test_new_module_is_refused_where_the_package_ships_one(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "vllm_fake_native"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "extra.py").write_text("")  # a vLLM that has the module natively
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import vllm_fake_native  # noqa: F401
+
+    patch = Patch(target="vllm_fake_native:extra", make="types:ModuleType", why="test",
+                  process="frontend", adds=True, new_module=True)
+    try:
+        with pytest.raises(RuntimeError, match="already exists"):
+            apply_patches([patch])
+    finally:
+        revert_patches([patch.target])
+        sys.modules.pop("vllm_fake_native", None)
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.26.1", "0.26.0+cpu"])

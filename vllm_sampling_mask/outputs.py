@@ -1,7 +1,10 @@
-"""User-facing output type (also exported as ``vllm.outputs.SamplingMask``). No vLLM import."""
+"""User-facing output type (also exported as ``vllm.outputs.SamplingMask`` and
+``vllm.sampling_mask.SamplingMask``). No vLLM import."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import types
 from collections.abc import Sequence
 
 import numpy as np
@@ -113,3 +116,16 @@ class SamplingMask:
     def __setstate__(self, state: tuple[list[list[int]] | None, list[int] | None,
                                         bytes | None]) -> None:
         self._rows, self._row_lengths, self._blob = state
+
+
+UPSTREAM_MODULE = "vllm.sampling_mask"
+
+
+def make_upstream_module(original: None) -> types.ModuleType:
+    """The module ``vllm.sampling_mask`` (upstream vLLM >= 0.28 defines ``SamplingMask`` there),
+    holding this module's class. Installed by the patch list (``patches.py``); it has no file."""
+    module = types.ModuleType(UPSTREAM_MODULE, "Per-token sampling masks (vllm-sampling-mask plugin).")
+    module.__spec__ = importlib.machinery.ModuleSpec(UPSTREAM_MODULE, loader=None)
+    module.SamplingMask = SamplingMask
+    module.__all__ = ["SamplingMask"]
+    return module

@@ -199,6 +199,16 @@ PATCHES: list[Patch] = [
         process="frontend",
         adds=True,
     ),
+    Patch(
+        target="vllm:sampling_mask",
+        make=f"{_P}.outputs:make_upstream_module",
+        why="`from vllm.sampling_mask import SamplingMask`, upstream's module (vLLM >= 0.28): "
+        "a module object in sys.modules, installed while `import vllm` runs (platform plugin), "
+        "nothing written into vLLM's package.",
+        process="frontend",
+        adds=True,
+        new_module=True,
+    ),
     # --- entrypoints (HTTP) ---
     Patch(
         target="vllm.entrypoints.scale_out.token_in_token_out.serving:ServingTokens.serve_tokens",

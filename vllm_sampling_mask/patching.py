@@ -67,6 +67,10 @@ class Patch:
     replacement (a wrapper that calls the original, or a subclass).
     ``also_bound_in`` lists other modules that did ``from module import attr`` and whose binding
     must be replaced too. ``adds`` marks a new attribute (``make`` then receives ``None``).
+    ``new_module`` (with ``adds``) marks a new submodule ``module.attr``: ``make`` returns the
+    module object, which is also registered in ``sys.modules`` so that ``import module.attr``
+    finds it; it is installed as soon as its parent package is in ``sys.modules``, even while
+    the package is still executing (the platform plugin runs during ``import vllm``).
     ``scoped`` keeps vLLM's object bound except inside ``scoped_patch(target)`` or, for a method,
     on the objects given to ``patch_instance(target, obj)``. ``process`` says where the patch
     matters (documentation and tests).
@@ -78,6 +82,7 @@ class Patch:
     process: str
     also_bound_in: tuple[str, ...] = ()
     adds: bool = False
+    new_module: bool = False
     scoped: bool = False
     remove_when: str = "vLLM >= 0.28 (native sampling masks)"
 
@@ -88,6 +93,11 @@ class Patch:
     @property
     def path(self) -> tuple[str, ...]:
         return tuple(self.target.split(":")[1].split("."))
+
+    @property
+    def module_name(self) -> str:
+        """``module.attr``, the name a ``new_module`` patch is imported by."""
+        return ".".join((self.module, *self.path))
 
 
 @dataclass
@@ -137,7 +147,7 @@ def _install(patch: Patch, module: ModuleType) -> None:
             return
         owner, name = resolve_owner(patch, module)
         if patch.adds:
-            if hasattr(owner, name):
+            if hasattr(owner, name) or (patch.new_module and _ships_submodule(module, name)):
                 raise RuntimeError(f"{patch.target} already exists: this vLLM is not the one the patch was written for")
             original = _MISSING
         else:
@@ -153,12 +163,22 @@ def _install(patch: Patch, module: ModuleType) -> None:
         _applied[patch.target] = record
         if patch.scoped:
             return  # swapped in by scoped_patch only
+        if patch.new_module:
+            sys.modules[patch.module_name] = replacement
         setattr(owner, name, replacement)
         for other in patch.also_bound_in:
             other_module = importlib.import_module(other)
             if getattr(other_module, name, None) is original:
                 setattr(other_module, name, replacement)
                 record.rebound.append((other_module, name))
+
+
+def _ships_submodule(package: ModuleType, name: str) -> bool:
+    """Whether ``package`` has a submodule ``name`` of its own (on disk, not yet imported)."""
+    search_path = getattr(package, "__path__", None)
+    if search_path is None:
+        return False
+    return importlib.machinery.PathFinder.find_spec(f"{package.__name__}.{name}", search_path) is not None
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
@@ -207,7 +227,8 @@ def apply_patches(patches: list[Patch]) -> None:
             if patch.target in _applied:
                 continue
             module = sys.modules.get(patch.module)
-            if module is not None and getattr(module, "__spec__", None) is not None and not _is_initializing(module):
+            if (module is not None and getattr(module, "__spec__", None) is not None
+                    and (patch.new_module or not _is_initializing(module))):
                 _install(patch, module)
             elif patch not in _pending.setdefault(patch.module, []):
                 _pending[patch.module].append(patch)
@@ -290,6 +311,8 @@ def revert_patches(targets: list[str] | None = None) -> None:
             owner, name = resolve_owner(record.patch, module)
             if record.original is _MISSING:
                 delattr(owner, name)
+                if record.patch.new_module:
+                    sys.modules.pop(record.patch.module_name, None)
             else:
                 setattr(owner, name, record.original)
             for other_module, other_name in record.rebound:

@@ -2,7 +2,8 @@
 
 ``--return-sampling-mask`` / ``EngineArgs(return_sampling_mask=True)`` /
 ``LLM(..., return_sampling_mask=True)`` all fold into ``additional_config["return_sampling_mask"]``,
-the only config channel that reaches every process. ``create_engine_config`` then rejects, with a
+the only config channel that reaches every process. Upstream's docs spell the switch
+``--enable-return-sampling-mask`` / ``enable_return_sampling_mask``: both spellings are accepted. ``create_engine_config`` then rejects, with a
 ``ValueError`` before any model is loaded, every configuration whose masks would be wrong or lost.
 """
 
@@ -16,12 +17,16 @@ from typing import Any
 from vllm_sampling_mask.config import ENABLE_KEY, REQUIRED_LOGPROBS_MODE, SamplingMaskConfig
 
 CLI_FLAG = "--return-sampling-mask"
+CLI_ALIAS = "--enable-return-sampling-mask"
+KEYWORD = "return_sampling_mask"
+KEYWORD_ALIAS = "enable_return_sampling_mask"
 CLI_HELP = (
     "Return, for every generated token, the ascending vocabulary ids that survived sampling "
     "filters (logit bias, penalties, bad words, temperature, min-p, top-k/top-p) as "
     "`sampling_mask` (vllm-sampling-mask plugin). Requires Model Runner V2 and "
     f"--logprobs-mode {REQUIRED_LOGPROBS_MODE}; requests must use temperature > 0 and top_k > 0 "
-    "(or top_p < 1 with --additional-config '{\"sampling_mask_allow_top_p_only\": true}')."
+    "(or top_p < 1 with --additional-config '{\"sampling_mask_allow_top_p_only\": true}'). "
+    f"Upstream vLLM's docs spell the same switch {CLI_ALIAS}."
 )
 _MRV2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
@@ -31,29 +36,51 @@ def fold_flag(engine_args: Any, enabled: bool) -> None:
     engine_args.additional_config = {**(engine_args.additional_config or {}), ENABLE_KEY: enabled}
 
 
+def switch_from_keywords(return_sampling_mask: bool | None,
+                         enable_return_sampling_mask: bool | None) -> bool | None:
+    """The switch set by either spelling of the keyword (``None``: neither given).
+
+    Raises ``ValueError`` on a non-bool value or on two values that disagree.
+    """
+    for name, value in ((KEYWORD, return_sampling_mask),
+                        (KEYWORD_ALIAS, enable_return_sampling_mask)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}.")
+    if (return_sampling_mask is not None and enable_return_sampling_mask is not None
+            and return_sampling_mask != enable_return_sampling_mask):
+        raise ValueError(
+            f"{KEYWORD} and {KEYWORD_ALIAS} are two spellings of one switch and must agree, got "
+            f"{return_sampling_mask} and {enable_return_sampling_mask}. Pass only one of them."
+        )
+    return return_sampling_mask if return_sampling_mask is not None else enable_return_sampling_mask
+
+
 def wrap_init(original: Any) -> Any:
-    """``EngineArgs.__init__`` accepting ``return_sampling_mask`` (LLM passes kwargs straight in)."""
+    """``EngineArgs.__init__`` accepting ``return_sampling_mask`` or its upstream spelling
+    ``enable_return_sampling_mask`` (LLM passes kwargs straight in)."""
 
     @functools.wraps(original)
-    def __init__(self: Any, *args: Any, return_sampling_mask: bool | None = None, **kwargs: Any) -> None:
+    def __init__(self: Any, *args: Any, return_sampling_mask: bool | None = None,
+                 enable_return_sampling_mask: bool | None = None, **kwargs: Any) -> None:
+        enabled = switch_from_keywords(return_sampling_mask, enable_return_sampling_mask)
         original(self, *args, **kwargs)
-        if return_sampling_mask is not None:
-            if not isinstance(return_sampling_mask, bool):
-                raise ValueError(f"return_sampling_mask must be a bool, got {return_sampling_mask!r}.")
-            fold_flag(self, return_sampling_mask)
+        if enabled is not None:
+            fold_flag(self, enabled)
 
     return __init__
 
 
 def wrap_add_cli_args(original: staticmethod) -> staticmethod:
-    """``EngineArgs.add_cli_args`` plus ``--return-sampling-mask`` (shown in ``vllm serve --help``)."""
+    """``EngineArgs.add_cli_args`` plus ``--return-sampling-mask`` and its alias
+    ``--enable-return-sampling-mask`` (one option, shown in ``vllm serve --help``)."""
     add_cli_args = original.__func__
 
     @functools.wraps(add_cli_args)
     def wrapped(parser: Any, *args: Any, **kwargs: Any) -> Any:
         parser = add_cli_args(parser, *args, **kwargs)
         if not any(CLI_FLAG in action.option_strings for action in parser._actions):
-            parser.add_argument(CLI_FLAG, action="store_true", default=False, help=CLI_HELP)
+            parser.add_argument(CLI_FLAG, CLI_ALIAS, dest=KEYWORD, action="store_true",
+                                default=False, help=CLI_HELP)
         return parser
 
     return staticmethod(wrapped)
@@ -66,7 +93,7 @@ def wrap_from_cli_args(original: classmethod) -> classmethod:
     @functools.wraps(from_cli_args)
     def wrapped(cls: type, args: argparse.Namespace) -> Any:
         engine_args = from_cli_args(cls, args)
-        if getattr(args, "return_sampling_mask", False):
+        if getattr(args, KEYWORD, False):
             fold_flag(engine_args, True)
         return engine_args
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_sampling_mask.training.packed import PackedMasks
+from vllm_sampling_mask.training.packed import MasksLike, PackedMasks
 
 IGNORE_INDEX = -100
 """Default ``token_ids`` value of padding positions (the Hugging Face ``labels`` convention)."""
@@ -41,23 +41,25 @@ class ScoredRows:
 
 def prepare_rows(
     token_ids: torch.Tensor,
-    masks: PackedMasks,
+    masks: MasksLike,
     vocab_size: int,
     device: torch.device,
     valid: torch.Tensor | None,
     ignore_index: int,
     check: bool,
 ) -> ScoredRows:
-    """Resolve padding, move the masks to ``device`` and (if ``check``) validate everything.
+    """Resolve padding, pack the masks on ``device`` and (if ``check``) validate everything.
 
     Args:
         token_ids: ``[T]`` integer sampled ids; ``ignore_index`` marks padding.
-        masks: ``T`` rows; row ``t`` is the kept set of ``token_ids[t]``.
+        masks: ``T`` rows in any form ``PackedMasks.from_any`` accepts; row ``t`` is the kept
+            set of ``token_ids[t]``.
         valid: optional ``[T] bool``; False marks padding too.
         check: validate the masks (``PackedMasks.validate``), the sampled ids' range and that
             each scored row contains its sampled id. Costs a few device syncs.
 
-    Raises ``ValueError`` on a shape mismatch, and with ``check`` on the first invalid value.
+    Raises ``TypeError`` on masks of no accepted form, ``ValueError`` on a shape mismatch, and
+    with ``check`` on the first invalid value.
     """
     if token_ids.dim() != 1:
         raise ValueError(
@@ -65,6 +67,7 @@ def prepare_rows(
             f"batch with .view(-1) and lay its masks out with pack_padded_batch."
         )
     num_rows = token_ids.numel()
+    masks = PackedMasks.from_any(masks, device=device)
     if masks.num_rows != num_rows:
         raise ValueError(
             f"masks must have one row per token ({num_rows}), got {masks.num_rows} rows."
@@ -80,7 +83,6 @@ def prepare_rows(
         scored = scored & valid.to(device=device, dtype=torch.bool)
     safe_token_ids = torch.where(scored, token_ids, 0)
 
-    masks = masks.to(device)
     if check:
         masks.validate(vocab_size)
     kept_rows = masks.row_index()

@@ -23,7 +23,7 @@ from vllm_sampling_mask.training._rows import (
     segment_logsumexp,
     temperature_scaled,
 )
-from vllm_sampling_mask.training.packed import PackedMasks
+from vllm_sampling_mask.training.packed import MasksLike, PackedMasks
 
 DEFAULT_FULL_VOCAB_CHUNK = 1024
 """Rows per chunk of the full-vocabulary log-softmax (``[chunk, V] float32`` temporaries)."""
@@ -32,7 +32,7 @@ DEFAULT_FULL_VOCAB_CHUNK = 1024
 def support_logprobs(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
-    masks: PackedMasks,
+    masks: MasksLike,
     *,
     valid: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
@@ -49,8 +49,11 @@ def support_logprobs(
             A ``[B, L, V]`` batch is passed as ``logits.view(B * L, V)`` (shift the labels,
             not the logits, so the view needs no copy).
         token_ids: ``[T]`` integer sampled ids; ``ignore_index`` marks padding rows.
-        masks: ``T`` rows, row ``t`` the kept set of ``token_ids[t]`` (moved to
-            ``logits.device`` if needed). Padding rows' mask rows are ignored (usually empty).
+        masks: ``T`` rows, row ``t`` the kept set of ``token_ids[t]``, in any form
+            ``PackedMasks.from_any`` accepts: ``PackedMasks``, ``list[list[int]]``
+            (``completion.sampling_mask.token_ids``), a ``SamplingMask``, a compact HTTP dict,
+            or a list of several completions' masks (concatenated); moved to
+            ``logits.device``. Padding rows' mask rows are ignored (usually empty).
         valid: optional ``[T] bool``; False marks padding rows as well.
         ignore_index: ``token_ids`` value of padding rows.
         temperature: the rollout's sampling temperature; logits are divided by it (vLLM's
@@ -69,7 +72,7 @@ def support_logprobs(
 
     Differentiable w.r.t. ``logits``; the backward writes one ``[T, V]`` gradient in the
     logits' dtype and otherwise uses O(N) memory (plus ``[chunk_size, V]`` with
-    ``return_full``).
+    ``return_full``). Raises ``TypeError`` on masks of no accepted form.
     """
     if logits.dim() != 2:
         raise ValueError(
@@ -171,7 +174,7 @@ class _SupportLogprobs(torch.autograd.Function):
 def support_logprobs_reference(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
-    masks: PackedMasks,
+    masks: MasksLike,
     *,
     valid: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
@@ -189,7 +192,7 @@ def support_logprobs_reference(
     if valid is not None:
         scored = scored & valid.to(device=logits.device, dtype=torch.bool)
     safe_token_ids = torch.where(scored, token_ids, 0)[:, None]  # [T, 1]
-    masks = masks.to(logits.device)
+    masks = PackedMasks.from_any(masks, device=logits.device)
 
     keep = torch.zeros((num_rows, vocab_size), dtype=torch.bool, device=logits.device)
     keep[masks.row_index(), masks.token_ids.long()] = True

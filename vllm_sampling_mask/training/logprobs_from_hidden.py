@@ -23,7 +23,7 @@ from vllm_sampling_mask.training._rows import (
     segment_logsumexp,
     temperature_scaled,
 )
-from vllm_sampling_mask.training.packed import PackedMasks
+from vllm_sampling_mask.training.packed import MasksLike
 
 DEFAULT_TOKEN_CHUNK = 256
 """Tokens per chunk: the chunk's logits are ``[C, |U|]`` with ``|U| <= C * (K + 1)``."""
@@ -33,7 +33,7 @@ def support_logprobs_from_hidden(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     token_ids: torch.Tensor,
-    masks: PackedMasks,
+    masks: MasksLike,
     *,
     lm_head_bias: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
@@ -50,7 +50,8 @@ def support_logprobs_from_hidden(
             positions that score ``token_ids`` (for a causal LM: the position before each token).
         lm_head_weight: ``[V, H]``, same dtype as ``hidden``.
         token_ids: ``[T]`` integer sampled ids; ``ignore_index`` marks padding rows.
-        masks: ``T`` rows, row ``t`` the kept set of ``token_ids[t]``.
+        masks: ``T`` rows, row ``t`` the kept set of ``token_ids[t]``, in any form
+            ``PackedMasks.from_any`` accepts (as in ``support_logprobs``).
         lm_head_bias: optional ``[V]``, same dtype as ``hidden``.
         valid, ignore_index, temperature, check: as in ``support_logprobs``.
         return_full: also return the full-vocabulary log-prob (adds a ``[C, V]`` matmul per
@@ -64,7 +65,8 @@ def support_logprobs_from_hidden(
     Differentiable w.r.t. ``hidden``, ``lm_head_weight`` and ``lm_head_bias``. Logits are
     computed in the inputs' dtype (as ``F.linear`` would) and reduced in fp32; the weight and
     bias gradients are accumulated chunk by chunk in their own dtype. Syncs the device to plan
-    the chunks (and to validate, with ``check``).
+    the chunks (and to validate, with ``check``). Raises ``TypeError`` on masks of no accepted
+    form.
     """
     if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
         raise ValueError(

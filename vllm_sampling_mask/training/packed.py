@@ -14,6 +14,7 @@ what the log-prob functions consume: memory is O(total kept ids), never O(tokens
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, Union
@@ -37,8 +38,17 @@ class HasTokenIds(Protocol):
     token_ids: MaskRows | dict[str, Any]
 
 
-MasksLike = Union["PackedMasks", MaskRows, dict[str, Any], HasTokenIds]
-"""Anything ``PackedMasks.from_any`` accepts."""
+OneMask = Union["PackedMasks", dict[str, Any], HasTokenIds]
+"""One sequence's (or one streamed chunk's) mask, in any form but bare rows."""
+
+MasksLike = Union[OneMask, MaskRows, Sequence[OneMask]]
+"""Anything ``PackedMasks.from_any`` accepts (and so every function that takes ``masks``)."""
+
+ACCEPTED_FORMS = (
+    "a PackedMasks, rows as list[list[int]] (SamplingMask.token_ids), a SamplingMask (or any "
+    "object with .token_ids), a compact wire-format dict {'encoding': 'csr-...', ...}, or a "
+    "list of SamplingMask / compact dicts / PackedMasks (concatenated in order)"
+)
 
 
 def _as_int_tensor(
@@ -117,11 +127,15 @@ class PackedMasks:
     def from_rows(cls, rows: MaskRows, device: torch.device | str | None = None) -> PackedMasks:
         """Build from ``T`` rows of ids: ``SamplingMask.token_ids`` or vLLM >= 0.28's output.
 
-        Rows may be lists, tuples or 1-D integer arrays.
+        Rows may be lists, tuples or 1-D integer arrays. Raises ``TypeError`` if ``rows`` is not
+        a sequence of sequences of integers.
         """
-        lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
-        ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32,
-                          count=int(lengths.sum()))
+        try:
+            lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+            ids = np.fromiter(map(operator.index, itertools.chain.from_iterable(rows)),
+                              dtype=np.int32, count=int(lengths.sum()))
+        except TypeError as exc:
+            raise TypeError(f"masks must be {ACCEPTED_FORMS}, got {_describe(rows)}.") from exc
         return cls.from_csr(lengths, ids, device=device)
 
     @classmethod
@@ -138,12 +152,19 @@ class PackedMasks:
 
     @classmethod
     def from_any(cls, masks: MasksLike, device: torch.device | str | None = None) -> PackedMasks:
-        """Build from whichever form a mask arrives in.
+        """Build from whichever form a mask arrives in: the one normalisation behind every
+        function of this package that takes ``masks``.
 
-        Accepts a ``PackedMasks`` (moved to ``device`` if given), a compact wire-format dict,
-        our ``SamplingMask`` (read through ``csr()``, never as Python lists), an object with a
+        Accepts a ``PackedMasks`` (moved to ``device`` if given); a compact wire-format dict;
+        our ``SamplingMask`` (read through ``csr()``, never as Python lists); an object with a
         ``.token_ids`` attribute (vLLM >= 0.28's ``SamplingMask``; its ``token_ids`` may itself
-        be rows or a compact dict), or a sequence of rows.
+        be rows or a compact dict); a sequence of rows (``list[list[int]]``, rows may be 1-D
+        integer arrays); or a sequence of the mask forms above (several completions, or one
+        completion's streamed chunks), concatenated in order.
+
+        Raises ``TypeError`` naming the accepted forms for anything else (``None`` included:
+        a completion of an engine without the switch), ``ValueError`` on a malformed compact
+        dict.
         """
         if isinstance(masks, PackedMasks):
             return masks if device is None else masks.to(device)
@@ -153,6 +174,12 @@ class PackedMasks:
             return cls.from_csr(*masks.csr(), device=device)
         if hasattr(masks, "token_ids"):
             return cls.from_any(masks.token_ids, device=device)
+        if isinstance(masks, (str, bytes)) or not isinstance(masks, (Sequence, np.ndarray)):
+            hint = (" (a completion without sampling_mask: start the engine with "
+                    "return_sampling_mask=True)" if masks is None else "")
+            raise TypeError(f"masks must be {ACCEPTED_FORMS}, got {_describe(masks)}{hint}.")
+        if len(masks) and _is_one_mask(masks[0]):
+            return cls.concat(masks, device=device)
         return cls.from_rows(masks, device=device)
 
     @classmethod
@@ -300,6 +327,27 @@ class PackedMasks:
         lengths = torch.zeros(flat.numel(), dtype=torch.int64, device=positions.device)
         lengths[flat] = source.row_lengths
         return PackedMasks.from_csr(lengths, source.token_ids)
+
+
+def _is_one_mask(value: Any) -> bool:
+    return isinstance(value, (PackedMasks, dict)) or hasattr(value, "token_ids")
+
+
+def _describe(value: Any) -> str:
+    """``value``'s type, and for a sequence the type of its first element that is not a row
+    of integers (error messages)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        return type(value).__name__
+    for index, row in enumerate(value):
+        if isinstance(row, (str, bytes)) or not isinstance(row, (Sequence, np.ndarray, torch.Tensor)):
+            return f"{type(value).__name__} whose element {index} is {type(row).__name__}"
+        for position, item in enumerate(row):
+            try:
+                operator.index(item)
+            except TypeError:
+                return (f"{type(value).__name__} whose row {index} holds "
+                        f"{type(item).__name__} at position {position}")
+    return type(value).__name__
 
 
 def pack_padded_batch(sequence_masks: Sequence[MasksLike], positions: torch.Tensor) -> PackedMasks:
