@@ -188,3 +188,17 @@ def test_async_output_unpacks_its_pending_rows() -> None:
     output = wrap_async_get_output(AsyncOutput.get_output)(pending_output)
     assert output.sampling_masks.rows == [np.array([3, 9], "<i4").tobytes(), b""]
     assert "_sampling_mask_host" not in pending_output.__dict__
+
+
+def test_switch_off_runners_and_samplers_are_left_alone() -> None:
+    """Without a capture (switch off), ``sample_tokens`` and ``Sampler.sample`` only pass
+    through: no step state read, nothing attached."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    sampler = v1_sampler(None)
+    output = sampler(torch.randn(2, VOCAB), sampling_metadata([4, 4], [1.0, 1.0]))
+    assert output.sampled_token_ids.shape == (2, 1) and "sampling_mask_capture" not in sampler.__dict__
+    stock = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[1]])
+    runner = SimpleNamespace(execute_model_state=object())  # no input batch: must not be read
+    result = wrap_sample_tokens(lambda self, grammar_output: stock)(runner, None)
+    assert result is stock and "sampling_masks" not in vars(stock)
