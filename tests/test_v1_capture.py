@@ -104,9 +104,9 @@ def test_opt_outs_are_tracked_by_request_id() -> None:
         new("a"), new("b", return_sampling_mask=False), new("c", return_sampling_mask=0),
         SimpleNamespace(req_id="pooling", sampling_params=None)]))
     assert capture.opted_out == {"b", "c"}
-    assert capture.row_wants(["c", "a", "b"]).tolist() == [False, True, False]
+    assert capture.row_wants(["c", "a", "b"], 3).tolist() == [False, True, False]
     capture.note_requests(SimpleNamespace(finished_req_ids={"b", "c"}, scheduled_new_reqs=[]))
-    assert capture.row_wants(["a"]) is None  # no opt-out left: no per-row work
+    assert capture.row_wants(["a"], 1) is None  # no opt-out left: no per-row work
 
 
 class FakeRunner:

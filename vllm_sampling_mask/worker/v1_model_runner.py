@@ -79,12 +79,14 @@ class V1SamplingMaskCapture:
             else:
                 self.opted_out.add(new_request.req_id)
 
-    def row_wants(self, req_ids: list[str]) -> np.ndarray | None:
-        """``[R]`` bool for the batch ``req_ids`` (None when no request opted out: O(1))."""
+    def row_wants(self, req_ids: list[str], num_rows: int) -> np.ndarray | None:
+        """``[num_rows]`` bool for the first ``num_rows`` batch ``req_ids`` (None when no
+        request opted out: O(1))."""
         opted_out = self.opted_out
         if not opted_out:
             return None
-        return np.fromiter((r not in opted_out for r in req_ids), dtype=bool, count=len(req_ids))
+        return np.fromiter((r not in opted_out for r in req_ids[:num_rows]), dtype=bool,
+                           count=num_rows)
 
 
 @dataclass
@@ -173,7 +175,7 @@ def wrap_sample_tokens(original: Any) -> Any:
         batch = self.input_batch
         num_reqs = batch.num_reqs
         num_sampled = (~self.discard_request_mask.np[:num_reqs]).astype(np.int32)
-        row_wants = capture.row_wants(batch.req_ids)
+        row_wants = capture.row_wants(batch.req_ids, num_reqs)
         if row_wants is not None and not row_wants.any():
             return _attach(self, original(self, *args, **kwargs), NO_MASKS_WANTED, num_sampled)
         capture.step = StepInputs(batch.top_k_cpu[:num_reqs], row_wants)
