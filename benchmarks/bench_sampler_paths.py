@@ -80,7 +80,7 @@ def run_batch(batch: int, reps: int) -> dict[str, Any]:
 
     from vllm_sampling_mask.worker.candidate_sampler import sample_from_candidates, top_candidates
     from vllm_sampling_mask.worker.compaction import compact_support
-    from vllm_sampling_mask.worker.sampler import tie_slack
+    from vllm_sampling_mask.worker.step_masks import tie_slack
 
     device = torch.device("cuda")
     gen = torch.Generator(device).manual_seed(batch)

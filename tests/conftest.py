@@ -1,7 +1,8 @@
 """Test harness: CPU platform forcing, the tiny model fixture, the ``gpu`` marker.
 
 On a machine without an NVIDIA GPU every test process runs vLLM on its CPU platform with Model
-Runner V2 under the Triton interpreter (see ``vllm_sampling_mask_testing.cpu_platform``). The
+Runner V2 (or vLLM's CPU subclass of the V1 runner, where vLLM picks V1) and Triton kernels under
+the interpreter (see ``vllm_sampling_mask_testing.cpu_platform``). The
 environment is set here, at collection time, before any test imports vLLM or Triton; subprocess
 tests pass ``cpu_test_env()`` on. ``gpu`` tests are skipped without CUDA.
 """

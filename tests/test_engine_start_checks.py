@@ -1,14 +1,15 @@
-"""Engine-start rejections: ValueError from create_engine_config, before any model loads."""
+"""Engine start: the runner a mask engine gets, and the ValueErrors of create_engine_config (before
+any model loads)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 from vllm_sampling_mask.config import SamplingMaskConfig
+from vllm_sampling_mask_testing.logits_processors import PROCESSOR
 
 GOOD = dict(return_sampling_mask=True, logprobs_mode="processed_logprobs", enforce_eager=True,
             max_model_len=256)
@@ -20,31 +21,43 @@ def engine_config(model: str, **overrides):
     return EngineArgs(model=model, **{**GOOD, **overrides}).create_engine_config()
 
 
-def test_good_config_selects_model_runner_v2(tiny_model_dir: str,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    vllm_config = engine_config(tiny_model_dir)
-    assert SamplingMaskConfig.of(vllm_config).enabled
-    assert vllm_config.use_v2_model_runner
-    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ  # decided from the config, not the process
-
-
-def test_a_mask_engine_leaves_later_engines_of_the_process_stock(
-        tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An RL script may build a mask engine, then an evaluation engine without masks: the second
-    gets vLLM's own runner choice (here V1: MRV2 lacks prompt embeds), whether the first started
-    or was refused."""
+@pytest.mark.parametrize(
+    ("overrides", "env", "v2"),
+    [
+        ({}, None, True),
+        ({"logits_processors": [PROCESSOR]}, None, False),
+        ({"enable_prompt_embeds": True}, None, False),
+        ({"enforce_eager": False, "compilation_config": {"mode": 1}}, None, False),  # stock compile
+        ({}, "0", False),
+        ({}, "1", True),
+    ],
+    ids=["dense", "logits_processors", "prompt_embeds", "stock_torch_compile", "env_0", "env_1"],
+)
+def test_a_mask_engine_runs_the_runner_vllm_picks(
+        tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch, overrides: dict, env: str | None,
+        v2: bool) -> None:
+    """Masks are captured in both runners: the switch neither forces MRV2 nor refuses what
+    vLLM runs on V1 (custom logits processors, prompt embeds, ...), and
+    ``VLLM_USE_V2_MODEL_RUNNER`` is honoured both ways."""
     from vllm.engine.arg_utils import EngineArgs
 
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    engine_config(tiny_model_dir)
-    with pytest.raises(ValueError):
-        engine_config(tiny_model_dir, logprobs_mode="raw_logprobs")
-    plain = EngineArgs(model=tiny_model_dir, enable_prompt_embeds=True, enforce_eager=True,
-                       max_model_len=256).create_engine_config()
-    assert not plain.use_v2_model_runner
-    with pytest.raises(ValueError, match="needs Model Runner V2"):  # the same with masks: refused
-        engine_config(tiny_model_dir, enable_prompt_embeds=True)
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    vllm_config = engine_config(tiny_model_dir, **overrides)
+    assert SamplingMaskConfig.of(vllm_config).enabled
+    assert vllm_config.use_v2_model_runner is v2
+    stock = EngineArgs(model=tiny_model_dir, **{**GOOD, "return_sampling_mask": False,
+                                                **overrides}).create_engine_config()
+    assert stock.use_v2_model_runner is v2
+
+
+def test_forcing_mrv2_on_a_config_it_cannot_run_is_vllms_own_error(
+        tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="custom logits processors"):
+        engine_config(tiny_model_dir, logits_processors=[PROCESSOR])
 
 
 def test_engines_built_from_a_vllm_config_are_checked_too(tiny_model_dir: str) -> None:
@@ -56,7 +69,6 @@ def test_engines_built_from_a_vllm_config_are_checked_too(tiny_model_dir: str) -
     vllm_config = EngineArgs(model=tiny_model_dir, enforce_eager=True,
                              max_model_len=256).create_engine_config()  # raw_logprobs
     vllm_config.additional_config = {"return_sampling_mask": True}
-    assert vllm_config.use_v2_model_runner
     with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
         LLMEngine(vllm_config, executor_class=None, log_stats=False)
 
@@ -80,29 +92,12 @@ def test_speculative_decoding_is_rejected(tiny_model_dir: str) -> None:
         engine_config(tiny_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
-def test_logits_processors_are_rejected(tiny_model_dir: str) -> None:
-    with pytest.raises(ValueError, match=r"--logits-processors"):
-        engine_config(tiny_model_dir, logits_processors=["my_pkg.processors:MyProcessor"])
-
-
 def test_diffusion_models_are_rejected(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.config.model import ModelConfig
 
     monkeypatch.setattr(ModelConfig, "is_diffusion", property(lambda self: True))
     with pytest.raises(ValueError, match="diffusion"):
         engine_config(tiny_model_dir)
-
-
-def test_explicit_v1_runner_is_rejected(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        engine_config(tiny_model_dir)
-
-
-def test_config_model_runner_v2_cannot_run_is_rejected(tiny_model_dir: str) -> None:
-    # Stock torch.compile is a feature MRV2 lacks; vLLM would silently fall back to V1.
-    with pytest.raises(ValueError, match=r"(?s)needs Model Runner V2.*stock torch.compile"):
-        engine_config(tiny_model_dir, enforce_eager=False, compilation_config={"mode": 1})
 
 
 def test_rust_frontend_is_rejected(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 import numpy as np
 
+from gpu_workloads import mixed_requests
 from mask_invariants import check_completion
 
 pytestmark = pytest.mark.gpu
@@ -68,24 +69,8 @@ def gpu_llm():
 
 
 def test_capture_contract_at_batch_256(gpu_llm) -> None:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     before = gpu_llm.collective_rpc(count_flashinfer_calls, args=("install",))
-    rng = random.Random(0)
-    shared_prefix = [rng.randrange(100, 8000) for _ in range(512)]
-    prompts, params = [], []
-    for i in range(NUM_REQUESTS):
-        # 1 in 8 prompts exceeds the 2048-token budget (chunked prefill); half share a prefix.
-        length = 2600 if i % 8 == 0 else rng.randrange(16, 256)
-        body = [rng.randrange(100, 8000) for _ in range(length)]
-        prompts.append(TokensPrompt(prompt_token_ids=(shared_prefix + body) if i % 2 else body))
-        top_k = [20, 50, 64][i % 3]
-        params.append(SamplingParams(
-            temperature=[1.0, 0.8][i % 2], top_k=top_k, top_p=[1.0, 0.95, 0.8][i % 3],
-            min_p=0.02 if i % 5 == 0 else 0.0, presence_penalty=0.3 if i % 7 == 0 else 0.0,
-            logprobs=top_k + 8, max_tokens=rng.randrange(32, 192), seed=i if i % 4 == 0 else None,
-            stop_token_ids=[rng.randrange(100, 8000) for _ in range(20)] if i % 6 == 0 else None))
+    prompts, params = mixed_requests(NUM_REQUESTS)
     outputs = gpu_llm.generate(prompts, params, use_tqdm=False)
     completions = [c for o in outputs for c in o.outputs]
     violations = {i: check_completion(c, with_logprobs=True) for i, c in enumerate(completions)}

@@ -11,11 +11,15 @@ import torch
 from vllm_sampling_mask.worker.sampler import (
     SamplingMaskCapture,
     attach_capture,
-    tie_slack,
     wrap_add_request,
     wrap_sample,
 )
-from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, WIDE_UNPACK_WIDTH, fetch_rows
+from vllm_sampling_mask.worker.step_masks import (
+    NO_MASKS_WANTED,
+    WIDE_UNPACK_WIDTH,
+    fetch_rows,
+    tie_slack,
+)
 
 
 def slot_array(values: np.ndarray) -> SimpleNamespace:

@@ -49,13 +49,6 @@ PATCHES: list[Patch] = [
         why="Engine-start checks before any model loads.",
         process="frontend",
     ),
-    Patch(
-        target="vllm.config.vllm:VllmConfig.use_v2_model_runner",
-        make=f"{_P}.engine.arg_utils:wrap_use_v2_model_runner",
-        why="A mask engine runs Model Runner V2 (our sampler hook) in every process, decided "
-        "from its config: no silent V1 fallback, no process-wide VLLM_USE_V2_MODEL_RUNNER.",
-        process="frontend",
-    ),
     # --- per-request validation (frontend) ---
     Patch(
         target="vllm.v1.engine.input_processor:InputProcessor._validate_params",
@@ -75,7 +68,7 @@ PATCHES: list[Patch] = [
         why="The server's beam search, refused the same way.",
         process="frontend",
     ),
-    # --- worker: capture and async copy ---
+    # --- worker, Model Runner V2 (where vLLM picks it): capture and async copy ---
     Patch(
         target="vllm.v1.worker.gpu.model_runner:GPUModelRunner.load_model",
         make=f"{_P}.worker.sampler:wrap_load_model",
@@ -113,6 +106,43 @@ PATCHES: list[Patch] = [
         make=f"{_P}.worker.async_output:wrap_get_output",
         why="Unpack the host copy into one int32 bytes row per request "
             "(ModelRunnerOutput.sampling_masks).",
+        process="worker",
+    ),
+    # --- worker, V1 model runner (where vLLM picks it): capture and copy ---
+    Patch(
+        target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__",
+        make=f"{_P}.worker.v1_model_runner:wrap_init",
+        why="Share a capture between the V1 runner and its sampler (both built here; the CPU "
+        "runner subclasses it and calls it, but has its own load_model).",
+        process="worker",
+    ),
+    Patch(
+        target="vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
+        make=f"{_P}.worker.v1_model_runner:wrap_update_states",
+        why="Track the requests that opted out (extra_args), by id: V1's input batch moves "
+        "rows between slots, and a step with no opted-out request then costs nothing per row.",
+        process="worker",
+    ),
+    Patch(
+        target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+        make=f"{_P}.worker.v1_model_runner:wrap_sample_tokens",
+        why="Hand the sampler the step's host-side top_k and rows that want masks; after the "
+        "step, copy the masks on V1's async output copy stream (or at once when scheduling "
+        "is synchronous, where the step has already waited for the device).",
+        process="worker",
+    ),
+    Patch(
+        target="vllm.v1.sample.sampler:Sampler.sample",
+        make=f"{_P}.worker.v1_model_runner:wrap_sampler_sample",
+        why="The logits after every transform (custom logits processors included) exist only "
+        "here, as the processed logprobs it returns: compact them (Triton).",
+        process="worker",
+    ),
+    Patch(
+        target="vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput.get_output",
+        make=f"{_P}.worker.v1_model_runner:wrap_async_get_output",
+        why="Unpack the host copy into one int32 bytes row per request "
+            "(ModelRunnerOutput.sampling_masks), as for MRV2.",
         process="worker",
     ),
     # --- engine core: per-request slicing and transport ---

@@ -22,13 +22,12 @@ KEYWORD = "return_sampling_mask"
 KEYWORD_ALIAS = "enable_return_sampling_mask"
 CLI_HELP = (
     "Return, for every generated token, the ascending vocabulary ids that survived sampling "
-    "filters (logit bias, penalties, bad words, temperature, min-p, top-k/top-p) as "
-    "`sampling_mask` (vllm-sampling-mask plugin). Requires Model Runner V2 and "
-    f"--logprobs-mode {REQUIRED_LOGPROBS_MODE}; requests must use temperature > 0 and top_k > 0 "
+    "filters (logit bias, penalties, bad words, custom logits processors, temperature, min-p, "
+    "top-k/top-p) as `sampling_mask` (vllm-sampling-mask plugin). Requires --logprobs-mode "
+    f"{REQUIRED_LOGPROBS_MODE}; requests must use temperature > 0 and top_k > 0 "
     "(or top_p < 1 with --additional-config '{\"sampling_mask_allow_top_p_only\": true}'). "
     f"Upstream vLLM's docs spell the same switch {CLI_ALIAS}."
 )
-_MRV2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def fold_flag(engine_args: Any, enabled: bool) -> None:
@@ -108,47 +107,11 @@ def wrap_create_engine_config(original: Any) -> Any:
         if not SamplingMaskConfig.from_additional_config(self.additional_config).enabled:
             return original(self, *args, **kwargs)
         check_engine_args(self)
-        _refuse_v1_runner_env()
-        try:
-            vllm_config = original(self, *args, **kwargs)
-        except ValueError as exc:
-            if "Model Runner V2" in str(exc):
-                raise ValueError(
-                    f"{CLI_FLAG} needs Model Runner V2, which cannot run this configuration: "
-                    f"{exc}"
-                ) from exc
-            raise
+        vllm_config = original(self, *args, **kwargs)
         check_vllm_config(vllm_config)
         return vllm_config
 
     return create_engine_config
-
-
-def _refuse_v1_runner_env() -> None:
-    """An explicit ``VLLM_USE_V2_MODEL_RUNNER=0`` contradicts the switch: say so."""
-    value = os.environ.get(_MRV2_ENV)
-    if value is not None and value.strip().lower() in ("0", "false"):
-        raise ValueError(
-            f"{CLI_FLAG} requires Model Runner V2, but {_MRV2_ENV}={value} selects the V1 runner. "
-            f"Unset {_MRV2_ENV} or set it to 1."
-        )
-
-
-def wrap_use_v2_model_runner(original: property) -> property:
-    """``VllmConfig.use_v2_model_runner``: True for a mask engine, in every process.
-
-    vLLM 0.26 reads ``VLLM_USE_V2_MODEL_RUNNER`` and otherwise falls back to the V1 runner for
-    some configurations, silently; our sampler hook exists in V2 only. Deciding from the config
-    (which every engine process receives) instead of setting the variable leaves other engines
-    of the process as stock, and V2's own validation still refuses configurations it can't run.
-    """
-    stock = original.fget
-
-    @functools.wraps(stock)
-    def use_v2_model_runner(self: Any) -> bool:
-        return SamplingMaskConfig.of(self).enabled or stock(self)
-
-    return property(use_v2_model_runner)
 
 
 def check_engine_args(engine_args: Any) -> None:
@@ -160,8 +123,6 @@ def check_engine_args(engine_args: Any) -> None:
         )
     if engine_args.speculative_config:
         _reject_speculative_decoding(engine_args.speculative_config)
-    if engine_args.logits_processors:
-        _reject_logits_processors(engine_args.logits_processors)
 
 
 def _reject_speculative_decoding(speculative_config: Any) -> None:
@@ -169,16 +130,8 @@ def _reject_speculative_decoding(speculative_config: Any) -> None:
               else getattr(speculative_config, "method", None))
     raise ValueError(
         f"{CLI_FLAG} does not support speculative decoding (got --speculative-config with "
-        f"method {method!r}): rejection sampling does not draw from the filtered distribution a "
-        "mask records. Remove --speculative-config."
-    )
-
-
-def _reject_logits_processors(logits_processors: Any) -> None:
-    raise ValueError(
-        f"{CLI_FLAG} does not support engine-level custom logits processors (got "
-        f"--logits-processors {logits_processors}): they make vLLM 0.26 use the V1 model "
-        "runner, where masks are not captured. Remove --logits-processors."
+        f"method {method!r}): a step then emits several tokens per request, and masks are "
+        "captured for one sampled token per request per step. Remove --speculative-config."
     )
 
 
@@ -192,8 +145,6 @@ def check_vllm_config(vllm_config: Any) -> None:
             f"{CLI_FLAG} does not support diffusion models ({model_config.model}): they do not "
             "sample one token per step from the filtered distribution."
         )
-    if model_config.logits_processors:
-        _reject_logits_processors(model_config.logits_processors)
     if model_config.logprobs_mode != REQUIRED_LOGPROBS_MODE:
         raise ValueError(
             f"{CLI_FLAG} requires --logprobs-mode {REQUIRED_LOGPROBS_MODE}, got "

@@ -29,8 +29,8 @@ from vllm_sampling_mask.worker.candidate_sampler import (
     sample_from_candidates,
     top_candidates,
 )
-from vllm_sampling_mask.worker.compaction import CompactSupport, compact_support
-from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, DeviceStepMasks
+from vllm_sampling_mask.worker.compaction import CompactSupport
+from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, DeviceStepMasks, compact_step
 
 _CAPTURE_ATTR = "sampling_mask_capture"
 _PENDING_ATTR = "_sampling_mask_pending"
@@ -55,22 +55,7 @@ class SamplingMaskCapture:
                 row_wants: np.ndarray | None = None) -> DeviceStepMasks:
         """``processed_logits`` ``[R, V]``; ``top_k_np`` ``[R]`` host-side per-request top_k;
         ``row_wants`` ``[R]`` bool, the rows that want masks (None: all)."""
-        if row_wants is not None:
-            top_k_np = top_k_np[row_wants]  # opted-out rows (any top_k) don't set the width
-        # vLLM stores "no top_k" as the vocabulary size, so the batch's largest top_k bounds
-        # every row except for ties at the top-k boundary. Those are common (bf16 logits; an
-        # H200 engine at batch 256 had a row over top_k in 126 of 131 steps), and a row over
-        # the width is read from the bitmap, so the width leaves room for them.
-        max_top_k = int(top_k_np.max()) if top_k_np.size else 1
-        width = max(1, min(max_top_k + tie_slack(max_top_k), processed_logits.shape[1],
-                           self.max_width))
-        support = compact_support(processed_logits, width)
-        return DeviceStepMasks(support, overflow_expected=max_top_k > width, row_wants=row_wants)
-
-
-def tie_slack(top_k: int) -> int:
-    """Extra width beyond ``top_k`` for ids tied with the k-th logit."""
-    return max(32, top_k // 4)
+        return compact_step(processed_logits, top_k_np, self.max_width, row_wants)
 
 
 def attach_capture(sampler: Any, vllm_config: Any) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_sampling_mask.worker.compaction import CompactSupport
+from vllm_sampling_mask.worker.compaction import CompactSupport, compact_support
 
 
 @dataclass
@@ -155,3 +155,28 @@ class HostStepMasks:
         for r, words in zip(overflow.tolist(), bits.view(np.uint8)):  # one row's bits at a time
             kept = np.unpackbits(words, bitorder="little")[:vocab_size]
             rows[r] = np.flatnonzero(kept).astype("<i4").tobytes()
+
+
+def tie_slack(top_k: int) -> int:
+    """Extra width beyond ``top_k`` for ids tied with the k-th logit."""
+    return max(32, top_k // 4)
+
+
+def compact_step(processed_logits: torch.Tensor, top_k_np: np.ndarray, max_width: int,
+                 row_wants: np.ndarray | None = None) -> DeviceStepMasks:
+    """Launch the compaction of one step's processed logits (no host sync; both runners).
+
+    ``processed_logits`` ``[R, V]`` (finite = kept); ``top_k_np`` ``[R]`` int, the host-side
+    per-request top_k (vLLM stores "no top_k" as the vocabulary size); ``max_width`` the
+    engine's ``sampling_mask_max_width``; ``row_wants`` ``[R]`` bool, the rows that want masks
+    (None: all).
+    """
+    if row_wants is not None:
+        top_k_np = top_k_np[row_wants]  # opted-out rows (any top_k) don't set the width
+    # The batch's largest top_k bounds every row except for ties at the top-k boundary. Those
+    # are common (bf16 logits; an H200 engine at batch 256 had a row over top_k in 126 of 131
+    # steps), and a row over the width is read from the bitmap, so the width leaves room for them.
+    max_top_k = int(top_k_np.max()) if top_k_np.size else 1
+    width = max(1, min(max_top_k + tie_slack(max_top_k), processed_logits.shape[1], max_width))
+    support = compact_support(processed_logits, width)
+    return DeviceStepMasks(support, overflow_expected=max_top_k > width, row_wants=row_wants)

@@ -1,1 +1,2 @@
-"""Test-only support: vLLM's CPU platform and Model Runner V2 under the Triton interpreter."""
+"""Test-only support: vLLM's CPU platform, Model Runner V2 under the Triton interpreter, and a
+custom logits processor (which makes vLLM pick its V1 runner)."""

@@ -1,0 +1,132 @@
+"""The V1 runner's capture on a real GPU through real vLLM (``gpu`` marker; run on the H200).
+
+vLLM picks its V1 runner for these engines by itself: they load a custom logits processor
+(``vllm_sampling_mask_testing``'s, which bans even token ids for the requests that ask), which
+Model Runner V2 does not support. Same model and 256-request workload as ``test_gpu_engine.py``
+(chunked prefill, prefix-cache hits, forced preemption), with async scheduling (masks copied on
+V1's async output stream), plus requests that ask the processor and requests that opt out; then a
+smaller batch on an engine without async scheduling (masks copied at the end of the step). Both
+engines take 0.35 of the GPU memory, so they fit together; run this module in its own pytest
+invocation (``test_gpu_engine.py``'s engine takes vLLM's default 0.9).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from gpu_workloads import mixed_requests
+from mask_invariants import check_completion
+
+pytestmark = pytest.mark.gpu
+
+MODEL = os.environ.get("SAMPLING_MASK_GPU_MODEL", "/root/models/qwen3-0.6b")
+NUM_REQUESTS = 256
+
+
+def describe_runner(worker) -> dict:  # runs in the worker (collective_rpc)
+    runner = worker.model_runner
+    return {
+        "runner": f"{type(runner).__module__}.{type(runner).__qualname__}",
+        "sampler_path": runner.sampler.topk_topp_sampler.forward.__name__,
+        "capture": runner.__dict__.get("sampling_mask_capture") is not None,
+        "async_scheduling": runner.use_async_scheduling,
+    }
+
+
+def build_llm(async_scheduling: bool):
+    if not os.path.isdir(MODEL):
+        pytest.skip(f"GPU model {MODEL} not found (set SAMPLING_MASK_GPU_MODEL)")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    from vllm import LLM
+
+    from vllm_sampling_mask_testing.logits_processors import PROCESSOR
+
+    return LLM(MODEL, return_sampling_mask=True, logprobs_mode="processed_logprobs",
+               logits_processors=[PROCESSOR], async_scheduling=async_scheduling,
+               enable_prefix_caching=True, enable_chunked_prefill=True,
+               max_num_batched_tokens=2048, max_num_seqs=NUM_REQUESTS, max_model_len=4096,
+               num_gpu_blocks_override=1200, block_size=16, max_logprobs=80, seed=0,
+               gpu_memory_utilization=0.35,
+               enforce_eager=os.environ.get("SAMPLING_MASK_GPU_EAGER", "1") == "1")
+
+
+@pytest.fixture(scope="module")
+def v1_llm():
+    llm = build_llm(async_scheduling=True)
+    yield llm
+    del llm
+
+
+def with_processor_and_opt_outs(params: list) -> list:
+    """Every 4th request asks the processor to ban even ids; every 8th (offset 2) opts out."""
+    from vllm_sampling_mask_testing.logits_processors import REQUEST_KEY
+
+    changed = []
+    for i, p in enumerate(params):
+        p = p.clone()
+        if i % 4 == 1:
+            p.extra_args = {REQUEST_KEY: True}
+        elif i % 8 == 2:
+            p.extra_args = {"return_sampling_mask": False}
+        changed.append(p)
+    return changed
+
+
+def check_outputs(outputs, params) -> dict:
+    """Violations by request index, and the counts of what was checked."""
+    from vllm_sampling_mask_testing.logits_processors import REQUEST_KEY
+
+    violations, tokens, banned_rows = {}, 0, 0
+    for i, (output, p) in enumerate(zip(outputs, params)):
+        (completion,) = output.outputs
+        tokens += len(completion.token_ids)
+        extra = p.extra_args or {}
+        if extra.get("return_sampling_mask") is False:
+            if completion.sampling_mask is not None:
+                violations[i] = ["opted out but got a mask"]
+            continue
+        problems = check_completion(completion, with_logprobs=True)
+        if extra.get(REQUEST_KEY):
+            rows = completion.sampling_mask.token_ids
+            banned_rows += len(rows)
+            if any(t % 2 == 0 for row in rows for t in row):
+                problems.append("even id in a row of a request that banned them")
+        if problems:
+            violations[i] = problems
+    return {"violations": violations, "tokens": tokens, "banned_rows": banned_rows}
+
+
+def test_v1_capture_contract_at_batch_256_async(v1_llm) -> None:
+    (worker,) = v1_llm.collective_rpc(describe_runner)
+    assert worker == {"runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+                      "sampler_path": "forward_native", "capture": True,
+                      "async_scheduling": True}, worker
+    prompts, params = mixed_requests(NUM_REQUESTS)
+    params = with_processor_and_opt_outs(params)
+    result = check_outputs(v1_llm.generate(prompts, params, use_tqdm=False), params)
+    metrics = {m.name: getattr(m, "value", None) for m in v1_llm.get_metrics()
+               if "preempt" in m.name or "prefix_cache" in m.name}
+    print("GPU_V1_SUMMARY " + json.dumps({
+        "requests": len(params), "tokens": result["tokens"],
+        "banned_rows": result["banned_rows"], "violations": len(result["violations"]),
+        "metrics": metrics, "worker": worker}), flush=True)
+    assert not result["violations"], dict(list(result["violations"].items())[:5])
+    assert result["banned_rows"] > 0
+
+
+def test_v1_capture_with_sync_scheduling() -> None:
+    llm = build_llm(async_scheduling=False)
+    try:
+        (worker,) = llm.collective_rpc(describe_runner)
+        assert worker["capture"] and not worker["async_scheduling"], worker
+        prompts, params = mixed_requests(64, seed=3)
+        params = with_processor_and_opt_outs(params)
+        result = check_outputs(llm.generate(prompts, params, use_tqdm=False), params)
+        print(f"GPU_V1_SYNC tokens={result['tokens']} violations={len(result['violations'])}",
+              flush=True)
+        assert not result["violations"], dict(list(result["violations"].items())[:5])
+    finally:
+        del llm

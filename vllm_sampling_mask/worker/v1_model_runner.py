@@ -1,0 +1,238 @@
+"""Capture in vLLM 0.26's V1 model runner (extends ``vllm/v1/worker/gpu_model_runner.py`` and
+``vllm/v1/sample/sampler.py``).
+
+vLLM picks the V1 runner where Model Runner V2 can't run a config (hybrid models, custom logits
+processors, prompt embeds, ...) or where ``VLLM_USE_V2_MODEL_RUNNER=0`` asks for it. Its
+``Sampler.sample`` applies, after ``apply_logits_processors`` (allowed token ids, bad words, the
+logits processors that can change the argmax: min_tokens, logit bias, custom ones; penalties),
+temperature, the argmax-invariant processors (min-p, custom ones) and top-k/top-p, then draws
+from the softmax of the result. In ``processed_logprobs`` mode, which a mask engine requires, it
+returns the log-softmax of exactly those logits: finite on the kept set and nowhere else, so that
+is where we compact. In that mode V1's ``TopKTopPSampler`` never takes its FlashInfer path
+(FlashInfer can't return processed logprobs): the filtered logits always exist, and the sampler
+runs as stock.
+
+Per step (``GPUModelRunner.sample_tokens``) the runner hands its sampler the batch's host-side
+top_k (``InputBatch.top_k_cpu``, for the copy width) and which rows want masks (a set of opted-out
+request ids, usually empty: then nothing per row). After the step, the device->host copy runs on
+V1's async output copy stream and is unpacked in ``AsyncGPUModelRunnerOutput.get_output`` (async
+scheduling), or at once (sync scheduling: the step has already waited for the device). Rows
+follow ``ModelRunnerOutput.req_ids``; partial prefill rows (``discard_request_mask``) yield ``b""``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_sampling_mask.config import SamplingMaskConfig, request_wants_masks
+from vllm_sampling_mask.worker.step_masks import (
+    NO_MASKS_WANTED,
+    DeviceStepMasks,
+    HostStepMasks,
+    NoStepMasks,
+    compact_step,
+)
+
+_CAPTURE_ATTR = "sampling_mask_capture"
+_HOST_ATTR = "_sampling_mask_host"
+
+
+@dataclass
+class StepInputs:
+    """What the runner tells its sampler about one step's rows (host side, no device data).
+
+    top_k_np: ``[R]`` int32, vLLM's top_k per row (the vocabulary size for "no top_k").
+    row_wants: ``[R]`` bool, the rows whose requests want masks (None: all).
+    """
+
+    top_k_np: np.ndarray
+    row_wants: np.ndarray | None
+
+
+class V1SamplingMaskCapture:
+    """Capture state shared by one V1 runner and its sampler.
+
+    opted_out: ids of the runner's requests that opted out of masks.
+    step: set by ``sample_tokens`` for the one ``Sampler.sample`` call of a step; None otherwise
+          (profiling and warm-up runs call the sampler too, and capture nothing).
+    pending: the step's device masks, from ``Sampler.sample`` back to ``sample_tokens``.
+    """
+
+    def __init__(self, max_width: int):
+        self.max_width = max_width
+        self.opted_out: set[str] = set()
+        self.step: StepInputs | None = None
+        self.pending: DeviceStepMasks | None = None
+
+    def note_requests(self, scheduler_output: Any) -> None:
+        """Track opt-outs from a ``SchedulerOutput`` (new requests and finished ids)."""
+        self.opted_out.difference_update(scheduler_output.finished_req_ids)
+        for new_request in scheduler_output.scheduled_new_reqs:
+            params = new_request.sampling_params
+            if params is None or request_wants_masks(params):
+                self.opted_out.discard(new_request.req_id)
+            else:
+                self.opted_out.add(new_request.req_id)
+
+    def row_wants(self, req_ids: list[str], num_rows: int) -> np.ndarray | None:
+        """``[num_rows]`` bool for the first ``num_rows`` batch ``req_ids`` (None when no
+        request opted out: O(1))."""
+        opted_out = self.opted_out
+        if not opted_out:
+            return None
+        return np.fromiter((r not in opted_out for r in req_ids[:num_rows]), dtype=bool,
+                           count=num_rows)
+
+
+@dataclass
+class PendingHostMasks:
+    """One step's masks between ``sample_tokens`` and ``get_output`` (async scheduling).
+
+    copied: set after the copies on the async output copy stream (None: nothing was copied).
+    num_sampled: ``[R]`` int32, 0 for rows whose token is discarded (partial prefill).
+    """
+
+    host: HostStepMasks | NoStepMasks
+    copied: torch.cuda.Event | None
+    num_sampled: np.ndarray
+
+    def unpack(self) -> Any:
+        """Wait for the copies, then one bytes row per request (a ``StepSamplingMasks``)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.unpack(self.num_sampled)
+
+
+def wrap_init(original: Any) -> Any:
+    """``GPUModelRunner.__init__`` (V1, also the base of the CPU runner), then share a capture
+    between the runner and its sampler if the engine's switch is on."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, vllm_config, *args, **kwargs)
+        config = SamplingMaskConfig.of(vllm_config)
+        if config.enabled:
+            capture = V1SamplingMaskCapture(config.max_width)
+            self.__dict__[_CAPTURE_ATTR] = capture
+            self.sampler.__dict__[_CAPTURE_ATTR] = capture
+
+    return __init__
+
+
+def wrap_update_states(original: Any) -> Any:
+    """``GPUModelRunner._update_states``: note which new requests opted out."""
+
+    @functools.wraps(original)
+    def _update_states(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, scheduler_output, *args, **kwargs)
+        capture = self.__dict__.get(_CAPTURE_ATTR)
+        if capture is not None:
+            capture.note_requests(scheduler_output)
+        return result
+
+    return _update_states
+
+
+def wrap_sampler_sample(original: Any) -> Any:
+    """V1 ``Sampler.sample``: compact the processed logprobs of the step ``sample_tokens`` set."""
+
+    @functools.wraps(original)
+    def sample(self: Any, logits: torch.Tensor, sampling_metadata: Any, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        capture = self.__dict__.get(_CAPTURE_ATTR)
+        step = None if capture is None else capture.step
+        if step is None:
+            return original(self, logits, sampling_metadata, *args, **kwargs)
+        capture.step = None  # one compaction per step
+        sampled, processed_logprobs = original(self, logits, sampling_metadata, *args, **kwargs)
+        if processed_logprobs is None:
+            raise RuntimeError(
+                "sampling masks: V1's sampler returned no processed logprobs for a step with "
+                f"rows that want masks (logprobs_mode {self.logprobs_mode!r}). This is a bug in "
+                "vllm-sampling-mask; please report it."
+            )
+        capture.pending = compact_step(processed_logprobs, step.top_k_np, capture.max_width,
+                                       step.row_wants)
+        return sampled, processed_logprobs
+
+    return sample
+
+
+def wrap_sample_tokens(original: Any) -> Any:
+    """``GPUModelRunner.sample_tokens`` (V1): set the step's rows for the sampler, then attach
+    the step's masks to its output (``ModelRunnerOutput.sampling_masks``)."""
+
+    @functools.wraps(original)
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        capture = self.__dict__.get(_CAPTURE_ATTR)
+        if capture is None or self.execute_model_state is None:  # nothing is sampled
+            return original(self, *args, **kwargs)
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        num_sampled = (~self.discard_request_mask.np[:num_reqs]).astype(np.int32)
+        row_wants = capture.row_wants(batch.req_ids, num_reqs)
+        if row_wants is not None and not row_wants.any():
+            return _attach(self, original(self, *args, **kwargs), NO_MASKS_WANTED, num_sampled)
+        capture.step = StepInputs(batch.top_k_cpu[:num_reqs], row_wants)
+        try:
+            output = original(self, *args, **kwargs)
+            step_masks = capture.pending
+        finally:
+            capture.step = capture.pending = None
+        if step_masks is None:
+            raise RuntimeError(
+                "sampling masks: V1's sampler did not run for a step with rows that want masks. "
+                "This is a bug in vllm-sampling-mask; please report it."
+            )
+        return _attach(self, output, step_masks, num_sampled)
+
+    return sample_tokens
+
+
+def _attach(runner: Any, output: Any, step_masks: DeviceStepMasks | NoStepMasks,
+            num_sampled: np.ndarray) -> Any:
+    """Start the host copy of ``step_masks`` for ``output`` (an ``AsyncGPUModelRunnerOutput``),
+    or copy and unpack it into ``output.sampling_masks`` now (a ``ModelRunnerOutput``)."""
+    from vllm.v1.worker.gpu_model_runner import AsyncGPUModelRunnerOutput
+
+    if not isinstance(output, AsyncGPUModelRunnerOutput):
+        # Sync scheduling: the step has already waited for the device (its sampled tokens are
+        # on the host), so this copy waits for nothing but itself.
+        host = step_masks.copy_to_host_nonblocking()
+        if isinstance(step_masks, DeviceStepMasks) and step_masks.support.packed.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        output.sampling_masks = host.unpack(num_sampled)
+        return output
+    copied = None
+    host: HostStepMasks | NoStepMasks = NO_MASKS_WANTED
+    if isinstance(step_masks, DeviceStepMasks):
+        # The same stream as vLLM's copies of this step (after them, so their event does not
+        # cover ours: one more event). The device tensors stay referenced by ``host``.
+        main_stream = torch.cuda.current_stream()
+        copy_stream = runner._get_or_create_async_output_copy_stream()
+        with torch.cuda.stream(copy_stream):
+            copy_stream.wait_stream(main_stream)
+            host = step_masks.copy_to_host_nonblocking()
+            copied = torch.cuda.Event(blocking=True)
+            copied.record()
+    output.__dict__[_HOST_ATTR] = PendingHostMasks(host, copied, num_sampled)
+    return output
+
+
+def wrap_async_get_output(original: Any) -> Any:
+    """``AsyncGPUModelRunnerOutput.get_output`` plus ``ModelRunnerOutput.sampling_masks``."""
+
+    @functools.wraps(original)
+    def get_output(self: Any) -> Any:
+        output = original(self)
+        pending: PendingHostMasks | None = self.__dict__.pop(_HOST_ATTR, None)
+        if pending is not None:
+            output.sampling_masks = pending.unpack()
+        return output
+
+    return get_output
