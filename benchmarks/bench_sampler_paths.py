@@ -66,7 +66,8 @@ def verify_candidates(logits: Any, result: Any, rows: int) -> None:
     packed = result.packed[:rows].cpu()
     got = [packed[r, 1 : 1 + int(packed[r, 0])].tolist() for r in range(rows)]
     if got != expected:
-        raise AssertionError(f"candidate rows differ from the reference: {got[:2]} vs {expected[:2]}")
+        raise AssertionError(f"candidate rows differ from the reference: {got[:2]} vs "
+                             f"{expected[:2]}")
     for token, row in zip(result.sampled[:rows].tolist(), got):
         if token not in row:
             raise AssertionError(f"sampled token {token} not in its row {row}")

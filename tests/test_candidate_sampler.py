@@ -12,17 +12,22 @@ from vllm_sampling_mask.worker.candidate_sampler import (
     sample_from_candidates,
 )
 
-DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+DEVICES = [pytest.param("cpu", id="interpreter"),
+           pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
 
 
-def run(logits: torch.Tensor, top_k: list[int], top_p: list[float], *, seeds: list[int] | None = None,
-        temperature: list[float] | None = None, pos: list[int] | None = None,
+def run(logits: torch.Tensor, top_k: list[int], top_p: list[float], *,
+        seeds: list[int] | None = None, temperature: list[float] | None = None,
+        pos: list[int] | None = None,
         num_candidates: int | None = None, write_processed: bool = True):
     """One request slot per row, in reverse order (the slot mapping is honoured)."""
     device = logits.device
     rows = logits.shape[0]
     slots = torch.arange(rows - 1, -1, -1, device=device)
-    by_slot = lambda values, dtype: torch.tensor(values[::-1], dtype=dtype, device=device)  # noqa: E731
+
+    def by_slot(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values[::-1], dtype=dtype, device=device)
+
     return sample_from_candidates(
         logits, num_candidates or max(top_k), slots,
         by_slot(top_k, torch.int32), by_slot(top_p, torch.float32),
@@ -71,7 +76,8 @@ def test_kept_sets_match_the_reference(device: str, dtype: torch.dtype, vocab: i
 def test_greedy_rows_take_the_largest_and_seeds_reproduce(device: str) -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 500, generator=gen).to(device)
-    args = dict(top_k=[50] * 4, top_p=[0.9] * 4, seeds=[3, 3, 4, 5], temperature=[1.0, 1.0, 0.0, 1.0])
+    args = dict(top_k=[50] * 4, top_p=[0.9] * 4, seeds=[3, 3, 4, 5],
+                temperature=[1.0, 1.0, 0.0, 1.0])
     first = run(logits.clone(), **args)
     again = run(logits.clone(), **args)
     assert torch.equal(first.sampled, again.sampled)  # same seed, position and logits

@@ -1,22 +1,22 @@
 """Top-k / top-p sampling that returns the kept set it sampled from (Triton + torch reference).
 
-A mask step whose requests all have a ``top_k`` of at most ``MAX_CANDIDATES`` samples here instead
-of in vLLM's top-k/top-p + Gumbel path followed by the ``[R, V]`` compaction:
+A mask step whose requests all have a ``top_k`` of at most ``MAX_CANDIDATES`` samples here
+instead of in vLLM's top-k/top-p + Gumbel path followed by the ``[R, V]`` compaction:
 
 1. ``top_candidates`` takes each row's ``K`` largest processed logits (``K`` = the batch's
-   largest top_k), sorted descending: the candidates (NaN and +inf rank first and are never kept: a row
-   whose top_k candidates are all non-finite keeps nothing; only a broken model gets there,
-   since requests with non-finite logit_bias are refused);
+   largest top_k), sorted descending: the candidates. NaN and +inf rank first and are never
+   kept (a row whose top_k candidates are all non-finite keeps nothing; only a broken model
+   gets there, since requests with a non-finite logit_bias are refused);
 2. one Triton program per row keeps the first ``top_k`` finite candidates, then the top-p prefix
    of those (top-k first, then top-p over the renormalised top-k, vLLM's order), samples one of
    the kept ids with Gumbel noise seeded by the request's seed and position, sorts the kept ids
    ascending into the row's ``packed`` mask and, when logprobs are returned, writes their logits
    into a ``-inf`` processed-logits tensor.
 
-So the sampled token is drawn from exactly the ids written to its row, whatever ``topk`` does
-with ties (it keeps exactly ``K``); every step costs two launches plus the processed-logits fill,
-the mask is ``[R, 1 + K]`` int32 with no bitmap, and the work after ``topk`` touches ``K`` ids per
-row instead of the vocabulary.
+So the sampled token is drawn from exactly the ids written to its row, whatever the top-k does
+with ties (it keeps exactly ``K``); a step costs the top-k, one kernel and, with logprobs, the
+processed-logits fill; the mask is ``[R, 1 + K]`` int32 with no bitmap; and the work after the
+top-k touches ``K`` ids per row instead of the vocabulary.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 A step in which some request wants masks samples with the candidate sampler
 (``candidate_sampler.py``: top-k, top-p and the sample over each row's top_k candidates, the kept
 ids written by the kernel that samples) when every request of the step has a ``top_k`` of at
-most ``MAX_CANDIDATES`` (and the engine's width cap). Other mask steps (top-p only, larger top_k) run vLLM's top-k/top-p +
-Gumbel path and compact the processed logits it returns, after every transform vLLM applies
-(logit bias, penalties, bad words, temperature, min-p, top-k/top-p; grammar masks come earlier);
-vLLM's FlashInfer sampler is never used there, since its "processed" logits are the pre-top-k
-ones. Both paths start from vLLM's own ``apply_sampling_params``.
+most ``MAX_CANDIDATES`` (and the engine's width cap). Other mask steps (top-p only, larger
+top_k) run vLLM's top-k/top-p + Gumbel path and compact the processed logits it returns, after
+every transform vLLM applies (logit bias, penalties, bad words, temperature, min-p,
+top-k/top-p; grammar masks come earlier); vLLM's FlashInfer sampler is never used there, since
+its "processed" logits are the pre-top-k ones. Both paths start from vLLM's own
+``apply_sampling_params``.
 
 The sampler remembers which of its requests opted out (``extra_args["return_sampling_mask"] =
 False``): their rows are sampled and copied with the others but do not set the compaction width
