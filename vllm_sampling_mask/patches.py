@@ -46,8 +46,10 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.engine.arg_utils:EngineArgs.create_engine_config",
         make=f"{_P}.engine.arg_utils:wrap_create_engine_config",
-        why="Engine-start checks before any model loads.",
+        why="Engine-start checks before any model loads. The version guard: on a vLLM other "
+        "than 0.26.x only this patch is installed, and refuses the switch by version.",
         process="frontend",
+        version_guard=True,
     ),
     Patch(
         target="vllm.config.vllm:VllmConfig.use_v2_model_runner",
