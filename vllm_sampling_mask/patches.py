@@ -66,6 +66,13 @@ PATCHES: list[Patch] = [
         process="frontend",
     ),
     Patch(
+        target="vllm.v1.engine.input_processor:InputProcessor.process_inputs",
+        make=f"{_P}.engine.input_processor:wrap_process_inputs",
+        why="A mask engine always runs MRV2: refuse (HTTP 400) every request whose values its "
+        "fixed-width per-request tensors can't hold (the worker would raise, ending the engine).",
+        process="frontend",
+    ),
+    Patch(
         target="vllm.entrypoints.generate.beam_search.offline:BeamSearchOfflineMixin.beam_search",
         make=f"{_P}.engine.input_processor:wrap_offline_beam_search",
         why="LLM.beam_search has no sampled distribution: a clear error instead of a top_k one.",
