@@ -210,6 +210,14 @@ PATCHES: list[Patch] = [
     ),
     # --- entrypoints (HTTP) ---
     Patch(
+        target="vllm.entrypoints.serve.utils.api_utils:validate_json_request",
+        make=f"{_P}.entrypoints.api_utils:wrap_validate_json_request",
+        why="A valid JSON body that is not an object makes vLLM's request models raise "
+        "AttributeError (HTTP 500): on a mask server the routes' JSON dependency answers 400. "
+        "Installed when api_utils is imported, before the routers bind it in Depends().",
+        process="frontend",
+    ),
+    Patch(
         target="vllm.entrypoints.scale_out.token_in_token_out.serving:ServingTokens.serve_tokens",
         make=f"{_P}.entrypoints.token_in_token_out:wrap_serve_tokens",
         why="/inference/v1/generate: read and validate the mask fields (GenerateRequest drops "
