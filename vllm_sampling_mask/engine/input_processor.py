@@ -112,10 +112,11 @@ def check_engine_limits(request: Any, vocab_size: int, max_prompt_id: int) -> No
             f"per-request tensors {why}), got {value!r}.", parameter=parameter, value=value)
 
     def check_ids(parameter: str, ids: Any, stop: int = vocab_size) -> None:
+        if not ids or (min(ids) >= 0 and max(ids) < stop):  # C loops: prompts can be long
+            return
         bad = [token_id for token_id in ids if not 0 <= token_id < stop]
-        if bad:
-            refuse(parameter, f"must hold token ids in [0, {stop})", bad[:8],
-                   "index the vocabulary with them")
+        refuse(parameter, f"must hold token ids in [0, {stop})", bad[:8],
+               "index the vocabulary with them")
 
     prompt_ids = request.prompt_token_ids or []
     check_ids("prompt token_ids", prompt_ids, max_prompt_id + 1)
