@@ -95,8 +95,8 @@ def _params_choice(request: Any, engine_enabled: bool) -> bool:
 def _refuse_streamed_samples(request: Any) -> None:
     """vLLM 0.26's stream generator of this endpoint fails after the first chunk of a request with
     n > 1 (an error event inside a 200 stream): on a mask server such a request is a 400 up front."""
-    num_samples = getattr(request.sampling_params, "n", 1)
-    if request.stream and num_samples > 1:
+    num_samples = getattr(getattr(request, "sampling_params", None), "n", 1)
+    if getattr(request, "stream", False) and num_samples > 1:
         raise MaskFieldError(
             f"sampling_params.n must be 1 with stream: true on /inference/v1/generate, got "
             f"{num_samples}: vLLM 0.26 cannot stream several samples on this endpoint. Send "
