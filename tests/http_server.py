@@ -29,6 +29,9 @@ MASK_FLAGS = ("--return-sampling-mask", "--logprobs-mode", "processed_logprobs")
 class Server:
     url: str
     log_path: Path | None
+    pid: int | None = None
+    """The ``vllm serve`` process (API server; the engine core is its child); ``None`` for an
+    external server."""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
@@ -70,7 +73,8 @@ def running_server(model: str, env: dict[str, str], extra_args: tuple[str, ...] 
         return False
 
     try:
-        with serve_process(cmd, env, log_path, healthy, start_timeout, stop_timeout=30):
+        with serve_process(cmd, env, log_path, healthy, start_timeout, stop_timeout=30) as proc:
+            server.pid = proc.pid
             yield server
     finally:
         log_path.unlink(missing_ok=True)  # a failed start put its tail in the exception

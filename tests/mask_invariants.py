@@ -27,10 +27,29 @@ def check_completion(completion: Any, *, with_logprobs: bool) -> list[str]:
             problems.append(f"token {i} ({token}) not in its row")
         if with_logprobs and completion.logprobs is not None:
             entries = completion.logprobs[i]
+            if len(entries) < len(row):
+                problems.append(f"row {i}: {len(entries)} logprobs for a row of {len(row)} ids: "
+                                "the test must request logprobs >= the row width")
+                continue
             finite = sorted(t for t, lp in entries.items() if math.isfinite(lp.logprob))
             if finite != row:
                 problems.append(f"row {i}: finite logprob tokens {finite[:8]}... != row {row[:8]}...")
             total = math.fsum(math.exp(lp.logprob) for lp in entries.values() if math.isfinite(lp.logprob))
             if abs(math.log(total)) > 1e-4 if total > 0 else True:
                 problems.append(f"row {i}: logsumexp of kept logprobs is {math.log(total) if total else '-inf'}")
+    return problems
+
+
+def mask_problems(token_ids: list[int], rows: list[list[int]], vocab_size: int) -> list[str]:
+    """Violations of the HTTP mask contract for one choice (empty = fine)."""
+    problems = []
+    if len(rows) != len(token_ids):
+        problems.append(f"{len(rows)} rows for {len(token_ids)} tokens")
+    for i, (token, row) in enumerate(zip(token_ids, rows)):
+        if any(a >= b for a, b in zip(row, row[1:])):
+            problems.append(f"row {i} not strictly ascending")
+        if token not in row:
+            problems.append(f"token {i} ({token}) not in its row")
+        if row and not (0 <= row[0] and row[-1] < vocab_size):
+            problems.append(f"row {i} has ids outside [0, {vocab_size})")
     return problems

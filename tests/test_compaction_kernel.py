@@ -158,3 +158,44 @@ def test_repeated_large_batches_match_a_vectorised_reference() -> None:
         valid = torch.arange(width, device="cuda")[None, :] < got.counts[:, None]
         assert torch.equal(torch.where(valid, got.ids, -1),
                            torch.where(valid, ids[:, :width].int(), -1)), f"call {call}"
+
+
+# Rows whose offsets pass 2**31 elements: row 64 of a [65, 2**25 + 1] buffer. Both buffers are
+# 8.6 GB of address space of which the kernels touch a few pages (never the whole: the
+# reference is not run). Before int64 rows the scatter kernel wrote at a wrapped, negative
+# offset (a segfault under the interpreter), so it runs in a subprocess.
+_HUGE_OFFSETS = """
+import sys
+import torch
+from vllm.triton_utils import triton
+from vllm_sampling_mask.worker import compaction
+
+device = sys.argv[1]
+rows, vocab, width = 65, 64, 1 << 25
+logits = torch.full((rows, vocab), float("-inf"), device=device)
+logits[:, 3] = 0.0
+logits[-1, 7] = 0.0
+got = compaction.compact_support(logits, width)  # row * (width + 1) >= 2**31
+print(got.packed[0, :2].tolist(), got.packed[-1, :3].tolist())  # [count, ids...]
+
+# row * scratch_stride >= 2**31: the launcher's scratch, with a huge row stride.
+scratch = torch.empty((rows, width), dtype=torch.int32, device=device)
+bits, block_counts = scratch[:, :2], scratch[:, 2:3]
+packed = torch.empty((rows, 4), dtype=torch.int32, device=device)
+compaction._count_and_pack_kernel[(1, rows)](
+    logits, logits.stride(0), block_counts, bits, scratch.stride(0), vocab, 2, BLOCK=64)
+compaction._scatter_ids_kernel[(1, rows)](
+    block_counts, bits, packed, scratch.stride(0), 1, 2, 3, BLOCK=64, NUM_BLOCKS_POW2=1)
+print(packed[0, :2].tolist(), packed[-1, :3].tolist())
+"""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_offsets_past_two_to_the_31(device: str, subprocess_env: dict[str, str]) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _HUGE_OFFSETS, device], capture_output=True,
+                            text=True, env=subprocess_env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-2:] == ["[1, 3] [2, 3, 7]"] * 2

@@ -86,6 +86,37 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(llm, params, message
     assert check_completion(ok[0], with_logprobs=False) == []
 
 
+@pytest.mark.parametrize(
+    ("prompt_ids", "params", "message"),
+    [
+        ([5, 6], dict(seed=2**63), r"seed must be in \[-9223372036854775808, 9223372036854775807\]"),
+        ([5, 6], dict(max_tokens=2**31), r"max_tokens must be <= 2147483645"),
+        ([5, 6], dict(logit_bias={5: float("nan")}), r"logit_bias values must be finite"),
+        ([5, 6], dict(allowed_token_ids=list(range(1025))), r"allowed_token_ids must have at most 1024"),
+        ([5, -1], {}, r"prompt token_ids must hold token ids in \[0, "),
+    ],
+    ids=["seed_2**63", "max_tokens_2**31", "logit_bias_nan", "allowed_1025", "prompt_id_-1"],
+)
+@pytest.mark.parametrize("opted_out", [False, True], ids=["masked", "opted_out"])
+def test_values_that_break_masks_or_mrv2_are_refused(llm, prompt_ids, params, message,
+                                                     opted_out) -> None:
+    """Refused before the engine sees them (they ended it, or broke the contract); the limits of
+    MRV2's per-request tensors apply to opted-out requests too, the mask checks do not."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra_args = {"return_sampling_mask": False} if opted_out else None
+    request = SamplingParams(temperature=1.0, top_k=4, **{"max_tokens": 2, **params},
+                             extra_args=extra_args)
+    if opted_out and "logit_bias" in params:
+        generate(llm, [TokensPrompt(prompt_token_ids=prompt_ids)], request)  # vLLM's to judge
+    else:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], request, use_tqdm=False)
+    ok = generate(llm, ["Hello"], SamplingParams(temperature=1.0, top_k=4, max_tokens=2))
+    assert check_completion(ok[0], with_logprobs=False) == []
+
+
 @pytest.mark.parametrize("top_k", [None, 0, -1], ids=["unset", "0", "-1"])
 def test_without_the_top_p_only_setting_top_k_is_required(top_k) -> None:
     from vllm import SamplingParams

@@ -51,8 +51,9 @@ def count_flashinfer_calls(worker, action: str):  # runs in the worker (collecti
 
 @pytest.fixture(scope="module")
 def gpu_llm():
-    if not os.path.isdir(MODEL):
-        pytest.skip(f"GPU model {MODEL} not found (set SAMPLING_MASK_GPU_MODEL)")
+    if not os.path.isdir(MODEL):  # a GPU test that does not run is a failure, never a skip
+        pytest.fail(f"GPU model {MODEL} not found: build it (the device's make_models.py) or set "
+                    "SAMPLING_MASK_GPU_MODEL to a local Qwen3-0.6B-shaped model directory.")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM
 
@@ -131,7 +132,9 @@ def test_opted_out_requests_in_a_batch_of_64(gpu_llm) -> None:
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(100, 8000) for _ in range(32)])
                for _ in range(64)]
     out = {"return_sampling_mask": False}
-    choices = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, logprobs=1, max_tokens=32,
+    # logprobs >= the row width (top_k 50; max_logprobs 80): the contract check compares the
+    # tokens with a finite processed logprob with the row.
+    choices = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, logprobs=64, max_tokens=32,
                               ignore_eos=True),
                SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, extra_args=out),
                SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, extra_args=out)]

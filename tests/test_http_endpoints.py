@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from http_server import MASK_FLAGS, Server, running_server, sse_events, sse_raw
+from mask_invariants import mask_problems
 
 pytestmark = pytest.mark.slow
 
@@ -45,21 +46,6 @@ def vocab_size(tiny_model_dir: str) -> int:
 def client(server: Server):
     with server.client() as c:
         yield c
-
-
-def mask_problems(token_ids: list[int], rows: list[list[int]], vocab_size: int) -> list[str]:
-    """Violations of the HTTP mask contract for one choice (empty = fine)."""
-    problems = []
-    if len(rows) != len(token_ids):
-        problems.append(f"{len(rows)} rows for {len(token_ids)} tokens")
-    for i, (token, row) in enumerate(zip(token_ids, rows)):
-        if any(a >= b for a, b in zip(row, row[1:])):
-            problems.append(f"row {i} not strictly ascending")
-        if token not in row:
-            problems.append(f"token {i} ({token}) not in its row")
-        if row and not (0 <= row[0] and row[-1] < vocab_size):
-            problems.append(f"row {i} has ids outside [0, {vocab_size})")
-    return problems
 
 
 def decoded(mask: Any) -> list[list[int]]:
@@ -420,3 +406,62 @@ def test_dropped_clients_leave_no_mask_state(server, client, vocab_size) -> None
     for choice in body["choices"]:
         assert mask_problems(choice["token_ids"], choice["sampling_mask"], vocab_size) == []
     assert "were never sent" not in server.log()
+
+
+# ------------------------------------------------------------------ values that break masks or MRV2
+
+
+def _raw_post(client: httpx.Client, path: str, raw: bytes) -> httpx.Response:
+    return client.post(path, content=raw, headers={"content-type": "application/json"})
+
+
+# Sent as raw bytes: Python's JSON encoder would refuse NaN/Infinity only with allow_nan=False,
+# and a client may send them either way.
+TITO_REFUSED = [
+    ("logit_bias", b'"logit_bias": {"5": NaN}'),
+    ("logit_bias", b'"logit_bias": {"5": Infinity}'),
+    ("logit_bias", b'"logit_bias": {"5": -Infinity}'),
+    ("logit_bias", b'"logit_bias": {"5": 1e308}'),
+    ("logit_bias", b'"logit_bias": {' + b", ".join(b'"%d": 1.0' % i for i in range(1025)) + b"}"),
+    ("repetition_penalty", b'"repetition_penalty": 1e-40'),
+    ("seed", b'"seed": 9223372036854775808'),
+    ("max_tokens", b'"max_tokens": 2147483648'),
+    ("max_tokens", b'"max_tokens": 9223372036854775808'),
+    ("allowed_token_ids", b'"allowed_token_ids": [' + b", ".join(b"%d" % i for i in range(1025)) + b"]"),
+    ("stop_token_ids", b'"min_tokens": 2, "stop_token_ids": [1000000]'),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_tito_values_that_would_break_the_mask_or_the_engine_get_400(server, client, vocab_size,
+                                                                      stream) -> None:
+    """Each is refused naming its parameter (before: 200 with the sampled token missing from its
+    row, or the engine ended: every request in flight lost); the server keeps serving."""
+    for parameter, field in TITO_REFUSED:
+        raw = (b'{"token_ids": [5, 6, 7], "stream": %s, "sampling_params": {"temperature": 1.0, '
+               b'"top_k": 20, %s}}' % (b"true" if stream else b"false", field))
+        response = _raw_post(client, "/inference/v1/generate", raw)
+        assert response.status_code == 400, (parameter, response.text[:500])
+        assert parameter in response.json()["error"]["message"], response.text[:500]
+    opted_out = (b'{"token_ids": [5, 6, 7], "return_sampling_mask": false, "sampling_params": '
+                 b'{"temperature": 0.0, "seed": 9223372036854775808}}')
+    response = _raw_post(client, "/inference/v1/generate", opted_out)
+    assert response.status_code == 400 and "seed" in response.text  # the engine's limits: all requests
+    body = post(client, "/inference/v1/generate", tito_body(params={"logit_bias": {"5": 100.0}}))
+    for choice in body["choices"]:
+        assert mask_problems(choice["token_ids"], choice["sampling_mask"], vocab_size) == []
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/inference/v1/generate"])
+def test_a_json_body_that_is_not_an_object_gets_400(client, path) -> None:
+    for raw in (b"123", b'"x"', b"[]", b"null", b"  [1, 2]"):
+        response = _raw_post(client, path, raw)
+        assert response.status_code == 400, (raw, response.status_code, response.text[:300])
+        assert "error" in response.json()
+
+
+def test_tito_n2_stream_is_refused_up_front(client) -> None:
+    response = client.post("/inference/v1/generate",
+                           json=tito_body(stream=True, params={"n": 2, "output_kind": FINAL_ONLY}))
+    assert response.status_code == 400, response.text[:300]
+    assert "sampling_params.n must be 1 with stream: true" in response.json()["error"]["message"]

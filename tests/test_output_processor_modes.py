@@ -449,15 +449,43 @@ def test_switch_off_no_completion_has_a_mask(
                                        c_on.finish_reason, c_on.stop_reason)
 
 
-def test_switch_on_tokens_without_rows_raise(
-    tokenizer: TokenizerLike, text_tokens: list[int]
+BAD_OUTPUTS = {  # one output of request "a" whose rows don't match its tokens
+    "tokens_without_row": lambda tokens: engine_core_output("a", tokens[1:2]),
+    "row_without_token": lambda tokens: engine_core_output("a", [], [5, 6]),
+    "two_tokens_one_row": lambda tokens: engine_core_output("a", tokens[1:3], [tokens[1]]),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_OUTPUTS))
+@pytest.mark.parametrize("kind", [CUMULATIVE, DELTA, FINAL_ONLY], ids=["cumulative", "delta", "final"])
+def test_an_output_whose_rows_dont_match_its_tokens_fails_that_request_only(
+    tokenizer: TokenizerLike, text_tokens: list[int], kind: RequestOutputKind, bad: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Switch on but an output arrives without rows (a lost mask): a RuntimeError naming the
-    request instead of a misaligned mask."""
-    processor = make_processor(tokenizer)
-    add(processor, "a", CUMULATIVE)
-    with pytest.raises(RuntimeError, match=r"sampling mask of request a has 0 rows for 1 tokens"):
-        process(processor, FakeEngineCore(with_masks=False).output("a", text_tokens[:1]))
+    """A lost row, an extra row, or one row for two tokens: that request finishes with vLLM's
+    per-request error (HTTP 500 for it alone), what it returned stays aligned, the engine core is
+    told to abort it, and the other request of the same batch goes on with its rows."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    add(processor, "a", kind)
+    add(processor, "b", kind)
+    process(processor, engine.output("a", text_tokens[0:1]), engine.output("b", text_tokens[0:1]))
+    result = processor.process_outputs(
+        [BAD_OUTPUTS[bad](text_tokens), engine.output("b", text_tokens[1:2])])
+
+    assert result.reqs_to_abort == ["a"]
+    assert "a" not in processor.request_states
+    assert "sampling mask of request a" in caplog.text
+    by_id = {o.request_id: o.outputs[0] for o in result.request_outputs}
+    failed = by_id["a"]
+    assert failed.finish_reason == "error"
+    assert_aligned(failed)
+    assert list(failed.token_ids) == ([] if kind == DELTA else text_tokens[:1])
+    assert failed.sampling_mask.token_ids == ([] if kind == DELTA else engine.sent_rows["a"])
+    (last,) = feed(processor, engine, "b", text_tokens[2:3], FinishReason.LENGTH)
+    completion = last.outputs[0]
+    assert_aligned(completion)
+    first = 2 if kind == DELTA else 0
+    assert completion.sampling_mask.token_ids == engine.sent_rows["b"][first:]
 
 
 def test_opted_out_request_keeps_vllms_state_and_gets_no_mask(

@@ -259,9 +259,62 @@ def test_other_versions_are_refused(version: str) -> None:
         check_vllm_version(version)
 
 
-def test_general_plugin_refuses_simulated_version(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_sampling_mask import plugin
+def test_another_vllm_warns_once_and_refuses_only_the_switch(
+        tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """On a vLLM other than 0.26.x (simulated) the plugin entry points raise nothing (vLLM does
+    not catch general-plugin errors: every engine would fail), warn once per process and install
+    only the version guard: an engine with the switch off is vLLM's, one with it on is refused
+    at start by version."""
+    import logging
 
-    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.28.1")
-    with pytest.raises(UnsupportedVllmVersionError, match=r"vLLM 0\.28\.1"):
-        plugin.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_sampling_mask import plugin
+    from vllm_sampling_mask.config import SamplingMaskConfig
+
+    for patch in PATCHES:
+        importlib.import_module(patch.module)
+    guards = [p.target for p in PATCHES if p.version_guard]
+    assert guards == ["vllm.engine.arg_utils:EngineArgs.create_engine_config"]
+    revert_patches([p.target for p in PATCHES])
+    try:
+        monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.28.1")
+        monkeypatch.setattr(plugin, "_warned_versions", set())
+        with caplog.at_level(logging.WARNING, logger="vllm_sampling_mask"):
+            plugin.register_early()
+            plugin.register()
+            plugin.register()
+        warnings = [r.getMessage() for r in caplog.records if "0.28.1" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "natively" in warnings[0]
+        ours = {p.target for p in PATCHES}
+        assert [t for t in patching.applied_targets() if t in ours] == guards
+
+        common = dict(model=tiny_model_dir, enforce_eager=True, max_model_len=256)
+        plain = EngineArgs(**common).create_engine_config()
+        assert not SamplingMaskConfig.of(plain).enabled
+        with pytest.raises(ValueError, match=r"got vLLM 0\.28\.1.*natively"):
+            EngineArgs(**common, logprobs_mode="processed_logprobs",
+                       additional_config={"return_sampling_mask": True}).create_engine_config()
+    finally:
+        revert_patches(guards)
+        apply_patches(PATCHES)
+    assert set(patching.applied_targets()) >= {p.target for p in PATCHES}
+
+
+def test_a_version_guard_whose_target_is_missing_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guard runs on vLLMs the patches were not written for: a missing target is logged, never
+    an error (the other patches still raise)."""
+    import sys
+    import types
+
+    module = types.ModuleType("vllm_fake_guarded")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm_fake_guarded", None)
+    monkeypatch.setitem(sys.modules, "vllm_fake_guarded", module)
+    guard = Patch(target="vllm_fake_guarded:Gone.method", make="vllm_fake_guarded:wrap",
+                  why="test", process="frontend", version_guard=True)
+    apply_patches([guard])
+    assert guard.target not in patching.applied_targets()
+    with pytest.raises(AttributeError):
+        apply_patches([Patch(target="vllm_fake_guarded:Gone.method", make="vllm_fake_guarded:wrap",
+                             why="test", process="frontend")])

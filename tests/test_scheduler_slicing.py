@@ -378,27 +378,72 @@ def test_async_stale_frame_is_dropped_with_its_row(configs: dict[bool, VllmConfi
     assert rows == [runner.rows[("a", s)] for s in (0, 2, 3, 4)]
 
 
-def test_missing_step_masks_raise(configs: dict[bool, VllmConfig]) -> None:
-    """Switch on, a token sampled, but the step carries no ``sampling_masks``: a RuntimeError, not
-    an output silently without rows."""
+def assert_failed_alone(outputs: Outputs, scheduler: Scheduler, req_id: str) -> None:
+    """``req_id`` ended with vLLM's per-request error: no token, no row, freed in the scheduler."""
+    output = outputs[req_id]
+    assert (output.finish_reason, output.new_token_ids, output.sampling_mask) == (
+        FinishReason.ERROR, [], None)
+    assert output.new_logprobs is None and req_id not in scheduler.requests
+
+
+def test_missing_step_masks_fail_the_steps_requests_not_the_engine(
+    configs: dict[bool, VllmConfig], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Switch on, tokens sampled, but the step carries no ``sampling_masks``: each request with a
+    token in it finishes with an error (logged), not with a token without a row; the engine
+    keeps scheduling the others."""
     scheduler = build_scheduler(configs[True])
-    add_request(scheduler, "a", 5, max_tokens=3)
-    with pytest.raises(RuntimeError, match=r"sampling masks lost for request a.*no masks"):
-        run_step(scheduler, FakeRunner({"a": [11]}, attach_masks=False))
+    runner = FakeRunner({"a": [11, 12], "b": [21, 22], "c": [31, 32]})
+    add_request(scheduler, "a", 5, max_tokens=2)
+    add_request(scheduler, "b", 5, max_tokens=2)
+    runner.attach_masks = False
+    steps = [run_step(scheduler, runner)]
+    for req_id in ("a", "b"):
+        assert_failed_alone(steps[0], scheduler, req_id)
+    assert "sampling masks lost for request a: the step carries no masks" in caplog.text
+    runner.attach_masks = True
+    add_request(scheduler, "c", 5, max_tokens=2)
+    steps += run_steps(scheduler, runner, 2)
+    assert history(steps, "c") == ([31, 32], [runner.rows[("c", s)] for s in (1, 2)])
+    assert scheduler.requests == {}
 
 
-def test_more_than_one_token_per_step_raises(configs: dict[bool, VllmConfig]) -> None:
+def test_a_row_count_other_than_the_batch_fails_the_steps_requests(
+    configs: dict[bool, VllmConfig]
+) -> None:
+    """One row too many (or too few) for the step's batch: its rows can't be matched with its
+    requests, so none is handed out; the requests with a token fail, the engine goes on."""
+    for extra_rows in ([[5]], []):
+        scheduler = build_scheduler(configs[True])
+        add_request(scheduler, "a", 5, max_tokens=3)
+        add_request(scheduler, "b", 5, max_tokens=3)
+        scheduler_output = scheduler.schedule()
+        model_runner_output = ModelRunnerOutput(
+            req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[11], [12]])
+        rows = [[11], [12]] + extra_rows if extra_rows else [[11]]
+        model_runner_output.sampling_masks = StepSamplingMasks.from_id_lists(rows)
+        outputs = update(scheduler, scheduler_output, model_runner_output)
+        for req_id in ("a", "b"):
+            assert_failed_alone(outputs, scheduler, req_id)
+
+
+def test_more_than_one_token_per_step_fails_that_request_only(
+    configs: dict[bool, VllmConfig]
+) -> None:
     """Two tokens for one request in one step (speculative decoding, refused at start-up) would
-    need one row per token: a RuntimeError instead of a misaligned mask."""
+    need one row per token: that request fails; the other of the step keeps its row."""
     scheduler = build_scheduler(configs[True])
     add_request(scheduler, "a", 5, max_tokens=3)
+    add_request(scheduler, "b", 5, max_tokens=3)
     scheduler_output = scheduler.schedule()
     model_runner_output = ModelRunnerOutput(
-        req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[11, 12]]
+        req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[11, 12], [21]]
     )
-    model_runner_output.sampling_masks = StepSamplingMasks.from_id_lists([[11, 12]])
-    with pytest.raises(RuntimeError, match=r"produced 2 token\(s\) but one row"):
-        scheduler.update_from_output(scheduler_output, model_runner_output)
+    model_runner_output.sampling_masks = StepSamplingMasks.from_id_lists([[11, 12], [21, 22]])
+    outputs = update(scheduler, scheduler_output, model_runner_output)
+    assert_failed_alone(outputs, scheduler, "a")
+    assert (outputs["b"].new_token_ids, mask_of(outputs["b"])) == ([21], [[21, 22]])
+    assert scheduler.requests["b"].status == RequestStatus.RUNNING
 
 
 def _script_scenario(scheduler: Scheduler, runner: FakeRunner) -> Iterator[Outputs]:

@@ -46,14 +46,23 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.engine.arg_utils:EngineArgs.create_engine_config",
         make=f"{_P}.engine.arg_utils:wrap_create_engine_config",
-        why="Engine-start checks before any model loads.",
+        why="Engine-start checks before any model loads. The version guard: on a vLLM other "
+        "than 0.26.x only this patch is installed, and refuses the switch by version.",
         process="frontend",
+        version_guard=True,
     ),
     # --- per-request validation (frontend) ---
     Patch(
         target="vllm.v1.engine.input_processor:InputProcessor._validate_params",
         make=f"{_P}.engine.input_processor:wrap_validate_params",
         why="temperature > 0 and top_k > 0 per request (ValueError / HTTP 400 for that request).",
+        process="frontend",
+    ),
+    Patch(
+        target="vllm.v1.engine.input_processor:InputProcessor.process_inputs",
+        make=f"{_P}.engine.input_processor:wrap_process_inputs",
+        why="A mask engine always runs MRV2: refuse (HTTP 400) every request whose values its "
+        "fixed-width per-request tensors can't hold (the worker would raise, ending the engine).",
         process="frontend",
     ),
     Patch(
@@ -240,6 +249,14 @@ PATCHES: list[Patch] = [
         new_module=True,
     ),
     # --- entrypoints (HTTP) ---
+    Patch(
+        target="vllm.entrypoints.serve.utils.api_utils:validate_json_request",
+        make=f"{_P}.entrypoints.api_utils:wrap_validate_json_request",
+        why="A valid JSON body that is not an object makes vLLM's request models raise "
+        "AttributeError (HTTP 500): on a mask server the routes' JSON dependency answers 400. "
+        "Installed when api_utils is imported, before the routers bind it in Depends().",
+        process="frontend",
+    ),
     Patch(
         target="vllm.entrypoints.scale_out.token_in_token_out.serving:ServingTokens.serve_tokens",
         make=f"{_P}.entrypoints.token_in_token_out:wrap_serve_tokens",

@@ -2,7 +2,8 @@
 
 A ``Patch`` names one vLLM attribute (``module:Qualified.name``), every other module-level
 binding of the same object that must change with it, and why; all of them were written for the
-vLLM series ``SUPPORTED_VLLM_SERIES`` (``check_vllm_version`` refuses any other).
+vLLM series ``SUPPORTED_VLLM_SERIES`` (``check_vllm_version`` refuses any other; on another vLLM
+only the ``version_guard`` patches are installed, and a guard whose target is missing is skipped).
 ``apply_patches`` installs each patch as soon as its module is imported (an import hook defers
 patches whose module is not imported yet), exactly once per process: applying again is a
 no-op, so every process may call it from any plugin entry point. A *scoped* patch is resolved and
@@ -17,12 +18,15 @@ import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+
+logger = logging.getLogger("vllm_sampling_mask")
 
 SUPPORTED_VLLM_SERIES = "0.26"
 """Our patches were written against vLLM 0.26.x sources and are refused on anything else."""
@@ -32,8 +36,9 @@ NATIVE_SUPPORT_VERSION = (0, 28)
 _MARK = "__vllm_sampling_mask_patch__"
 
 
-class UnsupportedVllmVersionError(RuntimeError):
-    """Raised when the installed vLLM is not one the patches were written for."""
+class UnsupportedVllmVersionError(ValueError):
+    """Raised when the installed vLLM is not one the patches were written for (a ``ValueError``:
+    an engine with the switch on is refused with it at start)."""
 
 
 def check_vllm_version(version: str) -> None:
@@ -72,8 +77,10 @@ class Patch:
     finds it; it is installed as soon as its parent package is in ``sys.modules``, even while
     the package is still executing (the platform plugin runs during ``import vllm``).
     ``scoped`` keeps vLLM's object bound except inside ``scoped_patch(target)`` or, for a method,
-    on the objects given to ``patch_instance(target, obj)``. ``process`` says where the patch
-    matters (documentation and tests).
+    on the objects given to ``patch_instance(target, obj)``. ``version_guard`` patches are the
+    only ones installed on a vLLM other than ``SUPPORTED_VLLM_SERIES``: their wrappers refuse the
+    switch there by version and otherwise call vLLM's object; a missing target is skipped, not an
+    error. ``process`` says where the patch matters (documentation and tests).
     """
 
     target: str
@@ -84,6 +91,7 @@ class Patch:
     adds: bool = False
     new_module: bool = False
     scoped: bool = False
+    version_guard: bool = False
     remove_when: str = "vLLM >= 0.28 (native sampling masks)"
 
     @property
@@ -145,7 +153,17 @@ def _install(patch: Patch, module: ModuleType) -> None:
     with _lock:
         if patch.target in _applied:
             return
-        owner, name = resolve_owner(patch, module)
+        try:
+            owner, name = resolve_owner(patch, module)
+            if patch.version_guard:
+                _raw_attr(owner, name)
+        except AttributeError:
+            if not patch.version_guard:
+                raise
+            # A vLLM the patches were not written for: a guard must never break its import.
+            logger.warning("vllm-sampling-mask: %s not found on this vLLM; the switch is not "
+                           "refused by version there.", patch.target)
+            return
         if patch.adds:
             if hasattr(owner, name) or (patch.new_module and _ships_submodule(module, name)):
                 raise RuntimeError(f"{patch.target} already exists: this vLLM is not the one the patch was written for")

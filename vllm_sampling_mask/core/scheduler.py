@@ -11,10 +11,13 @@ out of masks have a ``None`` row and their outputs carry none.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 from vllm_sampling_mask.config import SamplingMaskConfig
-from vllm_sampling_mask.engine.transport import outputs_carry_masks
+from vllm_sampling_mask.engine.transport import MASK_BUG_HINT, fail_output, outputs_carry_masks
+
+logger = logging.getLogger("vllm_sampling_mask")
 
 
 def wrap_init(original: Any) -> Any:
@@ -30,7 +33,13 @@ def wrap_init(original: Any) -> Any:
 
 def wrap_update_from_output(original: Any) -> Any:
     """``Scheduler.update_from_output`` plus ``EngineCoreOutput.sampling_mask`` (the row's
-    bytes) for every output with a new token."""
+    bytes) for every output with a new token.
+
+    A step whose rows can't be matched with its tokens (no rows, a row count other than the
+    batch's, several tokens for one request) is a bug; it fails only the requests that got a
+    token in it (``fail_output``: vLLM's per-request error, logged), never the engine.
+    """
+    from vllm.v1.request import RequestStatus
 
     @functools.wraps(original)
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -41,18 +50,31 @@ def wrap_update_from_output(original: Any) -> Any:
         step = getattr(model_runner_output, "sampling_masks", None)
         index = model_runner_output.req_id_to_index
         row_bytes = None if step is None else step.rows
+        step_problem = _step_problem(row_bytes, len(model_runner_output.req_ids))
         for engine_core_outputs in outputs.values():
             for output in engine_core_outputs.outputs:
                 num_new = len(output.new_token_ids)
                 if num_new == 0:
+                    continue  # no token (stale frame, finish only): its row, if any, has none
+                problem = step_problem or (
+                    None if num_new == 1 else f"the step produced {num_new} tokens for it but "
+                    "one row")
+                if problem is None:
+                    output.sampling_mask = row_bytes[index[output.request_id]]  # None: opted out
                     continue
-                if row_bytes is None or num_new != 1:
-                    raise RuntimeError(
-                        f"sampling masks lost for request {output.request_id}: the step produced "
-                        f"{num_new} token(s) but {'no masks' if step is None else 'one row'}. "
-                        "This is a bug in vllm-sampling-mask; please report it."
-                    )
-                output.sampling_mask = row_bytes[index[output.request_id]]  # None: opted out
+                logger.error("sampling masks lost for request %s: %s; the request is finished "
+                             "with an error. %s", output.request_id, problem, MASK_BUG_HINT)
+                self.finish_requests(output.request_id, RequestStatus.FINISHED_ERROR)
+                fail_output(output)
         return outputs
 
     return update_from_output
+
+
+def _step_problem(row_bytes: list[bytes | None] | None, num_batch_rows: int) -> str | None:
+    """Why a step's rows can't be handed out (``None``: they can)."""
+    if row_bytes is None:
+        return "the step carries no masks"
+    if len(row_bytes) != num_batch_rows:
+        return f"the step carries {len(row_bytes)} mask rows for {num_batch_rows} batch rows"
+    return None

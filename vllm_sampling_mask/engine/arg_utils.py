@@ -100,12 +100,16 @@ def wrap_from_cli_args(original: classmethod) -> classmethod:
 
 
 def wrap_create_engine_config(original: Any) -> Any:
-    """``EngineArgs.create_engine_config`` with the engine-start checks of the switch."""
+    """``EngineArgs.create_engine_config`` with the engine-start checks of the switch. Also the
+    version guard: the one patch installed on a vLLM other than 0.26.x, where it refuses the
+    switch by version (``ValueError``) and otherwise calls vLLM's method."""
+    from vllm_sampling_mask.plugin import check_installed_vllm_version
 
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not SamplingMaskConfig.from_additional_config(self.additional_config).enabled:
             return original(self, *args, **kwargs)
+        check_installed_vllm_version()
         check_engine_args(self)
         vllm_config = original(self, *args, **kwargs)
         check_vllm_config(vllm_config)

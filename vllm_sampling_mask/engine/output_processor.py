@@ -11,14 +11,16 @@ freed with it (finish, abort, disconnect).
 from __future__ import annotations
 
 import functools
+import logging
 from array import array
 from typing import Any
 
 from vllm_sampling_mask import patching
 from vllm_sampling_mask.config import REQUEST_KEY, request_wants_masks
-from vllm_sampling_mask.engine.transport import rows_mask
+from vllm_sampling_mask.engine.transport import MASK_BUG_HINT, fail_output, rows_mask
 from vllm_sampling_mask.outputs import SamplingMask
 
+logger = logging.getLogger("vllm_sampling_mask")
 _ROWS_ATTR = "sampling_mask_rows"
 _ENABLED_ATTR = "sampling_mask_enabled"
 COMPLETION_OUTPUT_METHOD = "vllm.v1.engine.output_processor:RequestState._new_completion_output"
@@ -125,24 +127,43 @@ def wrap_add_request(original: Any) -> Any:
 
 
 def wrap_process_outputs(original: Any) -> Any:
-    """``OutputProcessor.process_outputs``: append each output's rows before vLLM builds outputs."""
+    """``OutputProcessor.process_outputs``: append each output's row before vLLM builds outputs.
+
+    An output of a request with a row list must carry one row with its one token, or neither,
+    so rows and token ids grow in lock step. One that does not (a bug: a lost or an extra row)
+    fails that request alone: vLLM's per-request error (``fail_output``, logged), the request
+    aborted in the engine core; the others of the batch are served as usual. Rows sent for a
+    request that asked for none are not attached to it.
+    """
 
     @functools.wraps(original)
     def process_outputs(self: Any, engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        if self.__dict__.get(_ENABLED_ATTR):
-            states = self.request_states
-            for output in engine_core_outputs:
-                row = getattr(output, "sampling_mask", None)
-                if row is None:
-                    continue
-                state = states.get(output.request_id)
-                if state is None:
-                    continue
-                holder = state.__dict__.get(_ROWS_ATTR)
-                if holder is None:
-                    holder = mask_rows_of(state)
-                holder.append(row)
-        return original(self, engine_core_outputs, *args, **kwargs)
+        if not self.__dict__.get(_ENABLED_ATTR):
+            return original(self, engine_core_outputs, *args, **kwargs)
+        states = self.request_states
+        to_abort: list[str] = []
+        for output in engine_core_outputs:
+            state = states.get(output.request_id)
+            holder = None if state is None else state.__dict__.get(_ROWS_ATTR)
+            if holder is None:
+                continue
+            row = getattr(output, "sampling_mask", None)
+            num_new = len(output.new_token_ids)
+            if num_new == (0 if row is None else 1):
+                if row is not None:
+                    holder.append(row)
+                continue
+            logger.error(
+                "sampling mask of request %s: an output with %d token(s) carries %s; the request "
+                "is finished with an error. %s", output.request_id, num_new,
+                "no row" if row is None else "one row", MASK_BUG_HINT)
+            if not output.finished:
+                to_abort.append(output.request_id)
+            state.streaming_input = False  # a failed streaming-input session ends too
+            fail_output(output)
+        result = original(self, engine_core_outputs, *args, **kwargs)
+        result.reqs_to_abort.extend(to_abort)
+        return result
 
     return process_outputs
 
@@ -158,12 +179,7 @@ def wrap_new_completion_output(original: Any) -> Any:
     def _new_completion_output(self: Any, *args: Any, **kwargs: Any) -> Any:
         completion = original(self, *args, **kwargs)
         holder: RequestMaskRows = self.__dict__[_ROWS_ATTR]
-        num_tokens, num_rows = len(completion.token_ids), len(holder)
-        if num_rows < num_tokens:
-            raise RuntimeError(
-                f"sampling mask of request {self.request_id} has {num_rows} rows for "
-                f"{num_tokens} tokens. This is a bug in vllm-sampling-mask."
-            )
+        num_tokens = len(completion.token_ids)  # == the rows held: process_outputs checks
         if self.output_kind is not cumulative:
             # DELTA: the new tokens' rows; FINAL_ONLY: all rows (built once, at the end).
             completion.sampling_mask = holder.take_last(num_tokens)
@@ -171,7 +187,7 @@ def wrap_new_completion_output(original: Any) -> Any:
         # CUMULATIVE outputs hand out the detokenizer's live token list, which keeps growing
         # after the output is returned: hand out the live rows the same way so the two stay
         # aligned for a consumer that reads the output later.
-        live = num_rows == num_tokens and completion.token_ids is getattr(
+        live = len(holder) == num_tokens and completion.token_ids is getattr(
             self.detokenizer, "token_ids", None)
         completion.sampling_mask = holder.live() if live else holder.snapshot_last(num_tokens)
         return completion

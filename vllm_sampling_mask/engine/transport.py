@@ -51,6 +51,24 @@ class EngineCoreOutputsWithMasks(
     outputs: list[EngineCoreOutputWithMask] = []  # type: ignore[assignment]
 
 
+MASK_BUG_HINT = "This is a bug in vllm-sampling-mask; please report it."
+
+
+def fail_output(output: EngineCoreOutput) -> None:
+    """Turn ``output`` into vLLM's per-request error, in place: it finishes its request with
+    ``FinishReason.ERROR`` (HTTP 500 for that request only, ``finish_reason == "error"`` in
+    ``LLM`` outputs) and carries no token, logprob or row, so what the request returned so far
+    stays aligned. The caller ends the request where it lives (scheduler / output processor)."""
+    from vllm.v1.engine import FinishReason
+
+    output.new_token_ids = []
+    output.new_logprobs = None
+    output.finish_reason = FinishReason.ERROR
+    output.stop_reason = None
+    if isinstance(output, EngineCoreOutputWithMask):
+        output.sampling_mask = None
+
+
 SCHEDULER_OUTPUT_BINDING = "vllm.v1.core.sched.scheduler:EngineCoreOutput"
 
 

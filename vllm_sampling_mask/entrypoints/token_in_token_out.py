@@ -5,7 +5,8 @@ On a server started with ``--return-sampling-mask`` every choice carries ``sampl
 for ``token_ids[i]``. ``return_sampling_mask: false`` in a request turns it off for that request,
 as does ``sampling_params.extra_args.return_sampling_mask: false`` when the top-level field is
 absent (the top-level field wins); ``sampling_mask_format: "compact"`` sends the compact dict.
-Streamed chunks carry the rows of their own tokens. Without the switch the endpoint is vLLM's.
+Streamed chunks carry the rows of their own tokens; a streamed request with ``n > 1`` is refused
+(HTTP 400: vLLM 0.26 cannot stream it here). Without the switch the endpoint is vLLM's.
 
 The route is vLLM's (registered before any endpoint plugin, and Starlette serves the first
 matching route), so we extend ``ServingTokens`` rather than add a route. ``GenerateRequest`` is a
@@ -91,6 +92,18 @@ def _params_choice(request: Any, engine_enabled: bool) -> bool:
     return bool(choice)
 
 
+def _refuse_streamed_samples(request: Any) -> None:
+    """vLLM 0.26's stream generator of this endpoint fails after the first chunk of a request with
+    n > 1 (an error event inside a 200 stream): on a mask server such a request is a 400 up front."""
+    num_samples = getattr(getattr(request, "sampling_params", None), "n", 1)
+    if getattr(request, "stream", False) and num_samples > 1:
+        raise MaskFieldError(
+            f"sampling_params.n must be 1 with stream: true on /inference/v1/generate, got "
+            f"{num_samples}: vLLM 0.26 cannot stream several samples on this endpoint. Send "
+            "stream: false with sampling_params.output_kind 2 (FINAL_ONLY) to get all samples, or "
+            "one streamed request per sample.", "sampling_params.n")
+
+
 def wrap_serve_tokens(original: Any) -> Any:
     """``ServingTokens.serve_tokens``: read and validate the mask fields (HTTP 400)."""
 
@@ -99,6 +112,8 @@ def wrap_serve_tokens(original: Any) -> Any:
                            **kwargs: Any) -> Any:
         enabled = engine_masks_enabled(self)
         try:
+            if enabled:
+                _refuse_streamed_samples(request)
             options = parse_mask_options(await _body_fields(raw_request), engine_enabled=enabled,
                                          default_enabled=_params_choice(request, enabled))
         except MaskFieldError as exc:

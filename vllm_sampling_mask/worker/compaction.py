@@ -121,7 +121,8 @@ def _scatter_ids_kernel(
     NUM_BLOCKS_POW2: tl.constexpr,
 ):
     block = tl.program_id(0)
-    row = tl.program_id(1)
+    # int64: row * (width + 1) and row * scratch_stride pass 2**31 as the first kernel's offsets do.
+    row = tl.program_id(1).to(tl.int64)
     block_ids = tl.arange(0, NUM_BLOCKS_POW2)
     row_counts = tl.load(
         block_counts_ptr + row * scratch_stride + block_ids, mask=block_ids < num_blocks, other=0
