@@ -61,7 +61,7 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.v1.engine.input_processor:InputProcessor.process_inputs",
         make=f"{_P}.engine.input_processor:wrap_process_inputs",
-        why="A mask engine always runs MRV2: refuse (HTTP 400) every request whose values its "
+        why="Refuse (HTTP 400), on a mask engine, every request whose values Model Runner V2's "
         "fixed-width per-request tensors can't hold (the worker would raise, ending the engine).",
         process="frontend",
     ),
@@ -95,7 +95,9 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.v1.worker.gpu.sample.sampler:Sampler.sample",
         make=f"{_P}.worker.sampler:wrap_sample",
-        why="The processed logits after top-k/top-p exist only here: compact them (Triton).",
+        why="Mask steps sample here: with the candidate sampler (the kernel that samples writes "
+        "the kept ids) where every top_k <= 1024, else vLLM's path, whose processed logits "
+        "after top-k/top-p exist only here, then compacted (Triton).",
         process="worker",
     ),
     Patch(
