@@ -26,8 +26,9 @@ spread by +-20% on a shared machine, and the best round is the least disturbed o
 
 ``--isolate`` builds each engine in a subprocess instead (one vLLM import per engine); an
 engine that fails to start in-process after another one is retried that way. ``--interleave``
-keeps the off and on engines alive side by side and alternates their rounds, so both see the
-same drift of the machine (the ratios of separate runs moved by more than the masks cost).
+keeps every engine alive side by side (``stock`` in a subprocess that runs rounds on request)
+and alternates their rounds, so all see the same drift of the machine (the ratios of separate
+runs moved by more than the masks cost).
 """
 
 from __future__ import annotations
@@ -85,10 +86,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float)
     parser.add_argument("--isolate", action="store_true", help="One subprocess per engine.")
     parser.add_argument("--interleave", action="store_true",
-                        help="Build the off and on engines side by side in this process and "
-                        "alternate their rounds (stock still runs alone, first, in a subprocess).")
+                        help="Keep every engine alive side by side (stock in a subprocess) and "
+                        "alternate their rounds.")
     parser.add_argument("--worker-config", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = SMALL if args.small else FULL
     for name, value in defaults.items():
@@ -260,6 +262,83 @@ class EngineUnderTest:
         gc.collect()
 
 
+REPLY_PREFIX = "@@bench_engine_throughput@@ "
+
+
+class StockEngineProcess:
+    """The ``stock`` engine (plugin not loaded) in a subprocess that runs rounds on request, so
+    it can be interleaved with the in-process engines like any ``EngineUnderTest``."""
+
+    def __init__(self, args: argparse.Namespace, argv: Sequence[str],
+                 gpu_memory_utilization: float) -> None:
+        env = dict(os.environ, VLLM_PLUGINS=plugins_without_ours())
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker-config", "stock",
+               "--worker-serve", "--gpu-memory-utilization", str(gpu_memory_utilization)]
+        print(f"[stock] subprocess: {' '.join(cmd)}", flush=True)
+        self.name, self.args = "stock", args
+        self.plugins = env["VLLM_PLUGINS"]
+        self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.call("ready")
+
+    def call(self, command: str) -> Any:
+        """Send one command, echo the child's output until its reply, return the reply."""
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        for line in self.process.stdout:
+            if line.startswith(REPLY_PREFIX):
+                reply = json.loads(line[len(REPLY_PREFIX):])
+                if "error" in reply:
+                    raise RuntimeError(f"stock engine: {reply['error']}")
+                return reply["value"]
+            print(line, end="", flush=True)
+        raise RuntimeError(f"stock engine exited (code {self.process.wait()})")
+
+    def warm_up(self) -> None:
+        self.call("warm_up")
+
+    def run_round(self, batch: int, round_index: int) -> None:
+        self.call(f"round {batch} {round_index}")
+
+    def result(self) -> dict[str, Any]:
+        return self.call("result") | {"VLLM_PLUGINS": self.plugins}
+
+    def shutdown(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.call("quit")
+            finally:
+                self.process.wait(timeout=120)
+
+
+def serve_rounds(name: str, args: argparse.Namespace, model: str) -> None:
+    """Child of ``StockEngineProcess``: build the engine, then run the commands read on stdin
+    (``ready``, ``warm_up``, ``round B R``, ``result``, ``quit``), one reply line each."""
+    def reply(**message: Any) -> None:
+        print(REPLY_PREFIX + json.dumps(message), flush=True)
+
+    engine = EngineUnderTest(name, args, model, args.gpu_memory_utilization)
+    try:
+        for line in sys.stdin:
+            command, *params = line.split()
+            try:
+                value = None
+                if command == "warm_up":
+                    engine.warm_up()
+                elif command == "round":
+                    engine.run_round(int(params[0]), int(params[1]))
+                elif command == "result":
+                    value = engine.result()
+                elif command == "quit":
+                    reply(value=None)
+                    return
+                reply(value=value)
+            except Exception as exc:  # the parent reports it and stops
+                reply(error=f"{type(exc).__name__}: {exc}"[:2000])
+    finally:
+        engine.shutdown()
+
+
 def run_config(name: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
     """Build one engine, time every batch size, shut it down. Runs in this process."""
     engine = EngineUnderTest(name, args, model, args.gpu_memory_utilization)
@@ -273,23 +352,24 @@ def run_config(name: str, args: argparse.Namespace, model: str) -> dict[str, Any
         engine.shutdown()
 
 
-def run_interleaved(names: list[str], args: argparse.Namespace,
-                    model: str) -> dict[str, dict[str, Any]]:
+def run_interleaved(names: list[str], args: argparse.Namespace, model: str,
+                    argv: Sequence[str]) -> dict[str, dict[str, Any]]:
     """All ``names`` engines alive at once (each with ``--gpu-memory-utilization``, default
-    0.85 / their number), rounds alternating between them (the order flips every round), so a
-    drift of the machine over time affects every config alike."""
+    0.85 / their number; ``stock`` in its own process), rounds alternating between them (the
+    order flips every round), so a drift of the machine over time affects every config alike."""
     share = args.gpu_memory_utilization or round(0.85 / len(names), 2)
-    engines = []
+    engines: list[Any] = []
     try:
         for name in names:
-            engines.append(EngineUnderTest(name, args, model, share))
+            engines.append(StockEngineProcess(args, argv, share) if name == "stock"
+                           else EngineUnderTest(name, args, model, share))
         for engine in engines:
             engine.warm_up()
         for r in range(args.reps):
             for b in args.batch_sizes:
                 for engine in (engines if r % 2 == 0 else engines[::-1]):
                     engine.run_round(b, r)
-        return {e.name: e.result() | {"isolated": False, "interleaved": True,
+        return {e.name: e.result() | {"isolated": e.name == "stock", "interleaved": True,
                                       "gpu_memory_utilization": share} for e in engines}
     finally:
         for engine in engines:
@@ -356,6 +436,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     setup_environment(args.small)
     model = args.model or (small_model() if args.small else DEFAULT_MODEL)
 
+    if args.worker_config and args.worker_serve:  # child of StockEngineProcess
+        serve_rounds(args.worker_config, args, model)
+        return None
     if args.worker_config:  # child of run_isolated
         result = run_config(args.worker_config, args, model)
         args.worker_out.write_text(json.dumps(result))
@@ -363,9 +446,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
     results: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
-    sequential = args.config_list
-    if args.interleave:
-        sequential = [n for n in args.config_list if n == "stock"]
+    sequential = [] if args.interleave else args.config_list
     for i, name in enumerate(sequential):
         try:
             if args.isolate or name == "stock":
@@ -391,14 +472,14 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     together = [n for n in args.config_list if n not in sequential]
     if together:
         try:
-            results.update(run_interleaved(together, args, model))
+            results.update(run_interleaved(together, args, model, argv))
         except Exception as exc:
             errors["+".join(together)] = f"{type(exc).__name__}: {exc}"[:2000]
             print(f"[{'+'.join(together)}] FAILED: {errors['+'.join(together)]}", flush=True)
 
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                   if k not in ("out", "worker_config", "worker_out")} | {"model": model},
+                   if k not in ("out", "worker_config", "worker_out", "worker_serve")} | {"model": model},
         "environment": environment(args.small),
         "results": results,
         "errors": errors,
@@ -433,7 +514,8 @@ def ratios(results: dict[str, dict], batch_sizes: list[int],
         return results[name]["by_batch"][str(b)][key]
 
     out: dict[str, dict[str, float]] = {}
-    for num, den in (("on", "off"), ("off", "stock"), ("on", "stock"), ("optout", "off")):
+    for num, den in (("on", "off"), ("off", "stock"), ("on", "stock"), ("optout", "off"),
+                     ("optout", "stock")):
         if num in results and den in results:
             out[f"{num}/{den}"] = {str(b): tps(num, b) / tps(den, b) for b in batch_sizes}
     return out
@@ -446,7 +528,7 @@ def markdown(report: dict) -> str:
     lines = [f"{c['model']} on {env['device']}, {'eager' if c['enforce_eager'] else 'compiled'}, "
              f"prompt {c['prompt_len']} -> {c['output_len']} tokens, top_k {c['top_k']}, "
              f"top_p {c['top_p']}, {c['reps']} rounds (median)"
-             f"{', off/on interleaved' if c['interleave'] else ''}; off sampler: "
+             f"{', engines interleaved' if c['interleave'] else ''}; off sampler: "
              f"{env['sampler']['off_sampler']}", ""]
     header = "| B | " + " | ".join(f"{n} tok/s" for n in names) + " | " + " | ".join(
         report["ratios"]) + " |"

@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # The H200 runs of docs/benchmarks.md, grouped into device calls that fit the 10-minute limit.
 #
-# On the device, after the set-up calls of shared/device/README.md (models in /root/models),
-# from the repo root, one call each:
+# On the device, after the set-up calls of shared/device/README.md (models in /root/models,
+# .vstage3 carried: FlashInfer, the stock baseline), from the repo root, back to back (the JIT
+# cache of the first call is lost once the machine goes back):
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh verify
-#     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh profile
-#     bash .vscripts/setup.sh && bash .vstage3/install_flashinfer.sh && source .vscripts/env.sh \
-#         && bash benchmarks/run_h200.sh flashinfer          (carry .vstage3, see README.md)
+#     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh engine
+#     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh http
 #
-#   verify      GPU tests (pytest -m gpu), host overhead, engine throughput of off / on /
-#               optout interleaved, compiled, 8 rounds                           (~8 min)
-#   profile     per-step profile (cProfile + CUDA kernel table), then HTTP throughput at
-#               concurrency 1 and 64, compiled                                   (~9 min)
-#   flashinfer  off / on with vLLM's FlashInfer sampler as the off engine's     (~5 min)
+#   verify  FlashInfer's JIT (sampling + top-k kernels: ~3-4 min on a new machine, cached in
+#           ~/.cache/flashinfer for the next calls), GPU tests of both runners, step costs
+#           of the sampling paths                                                (~9 min)
+#   engine  stock / on / optout interleaved, compiled, 6 rounds; then stock / on with
+#           logprobs=1, 4 rounds                                                 (~9 min)
+#   http    HTTP throughput at concurrency 1 and 64, compiled; host overhead    (~7 min)
 #
 # Each step writes <step>.json and <step>.log under $OUT (default bench_out/) and runs under its
 # own time limit; a step that fails is reported and the next one runs. The exit status is the
-# number of failed steps. SMALL=1 runs every step as its CPU smoke run (--small), to check this
-# script without a GPU.
+# number of failed steps. SMALL=1 runs the benchmark steps of `engine` and `http` as their CPU
+# smoke runs (--small), to check this script without a GPU; `verify` needs the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench_out}
@@ -51,26 +52,33 @@ bench() {
 }
 
 compiled=(--no-enforce-eager)
+tests_path="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 case "${1:-}" in
   verify)
-    PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-      step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    step flashinfer_jit 300 python3 -c "import torch, flashinfer; x = torch.randn(4, 151936, \
+device='cuda'); flashinfer.top_k(x, 50, sorted=True, deterministic=True); \
+flashinfer.sampling.top_k_top_p_sampling_from_logits(x, torch.full((4,), 50, device='cuda', \
+dtype=torch.int32), torch.full((4,), 0.9, device='cuda')); print('flashinfer JIT done')"
+    PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+      step gpu_tests 200 python3 -m pytest -q -s -m gpu tests/test_candidate_sampler.py \
       tests/test_compaction_kernel.py tests/test_gpu_engine.py
-    bench bench_host_overhead host_overhead 45
-    bench bench_engine_throughput engine 330 --configs off,on,optout --interleave \
-      "${compiled[@]}" --reps 8
+    PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+      step gpu_tests_v1 150 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
+    bench bench_sampler_paths sampler_paths 60
     ;;
-  profile)
-    bench profile_engine_step profile 200 "${compiled[@]}" --cprofile 40 --cuda-profile
+  engine)
+    bench bench_engine_throughput engine 330 --configs stock,on,optout --interleave \
+      "${compiled[@]}" --reps 6
+    bench bench_engine_throughput engine_logprobs 200 --configs stock,on --interleave \
+      "${compiled[@]}" --reps 4 --logprobs 1
+    ;;
+  http)
     bench bench_http_throughput http 330 /root/models/qwen3-0.6b "${compiled[@]}" \
       --concurrency 1,64
-    ;;
-  flashinfer)
-    VLLM_USE_FLASHINFER_SAMPLER=1 bench bench_engine_throughput engine_flashinfer 540 \
-      --configs off,on --interleave "${compiled[@]}" --reps 4
+    bench bench_host_overhead host_overhead 45
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh verify|profile|flashinfer" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh verify|engine|http" >&2
     exit 2
     ;;
 esac
