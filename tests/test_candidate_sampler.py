@@ -93,7 +93,7 @@ def test_samples_follow_the_renormalised_kept_distribution(device: str) -> None:
     # One distribution in every row, a different position each: the empirical frequencies of the
     # kept ids approach their renormalised probabilities, and dropped ids never come up. The
     # interpreter runs a program in ~0.1 s: few rows there, a tolerance of ~3.5 sigma.
-    rows, atol = (400, 0.085) if device == "cpu" else (200_000, 0.005)
+    rows, atol = (240, 0.11) if device == "cpu" else (200_000, 0.005)
     base = torch.full((64,), float("-inf"))
     base[[3, 10, 20, 40, 50]] = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05]))
     logits = base.repeat(rows, 1).to(device)
