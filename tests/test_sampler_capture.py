@@ -169,3 +169,22 @@ def test_steps_with_small_top_k_sample_with_the_candidates() -> None:
     _, unfiltered = sample(sampler, logits.clone(), mapping, np.array([1, 4]), positions,
                            None, None)
     assert torch.equal(unfiltered, logits)  # not read by Sampler.__call__ without logprobs
+
+
+def test_a_failing_flashinfer_top_k_falls_back_to_torch_topk(monkeypatch, caplog) -> None:
+    # FlashInfer's top-k JIT-compiles on first use, at engine load: if that fails (no CUDA
+    # compiler, say), the engine still starts and takes the candidates with torch.topk.
+    from vllm_sampling_mask.worker import candidate_sampler, sampler as sampler_module
+
+    def broken_top_k(*args, **kwargs):
+        raise RuntimeError("nvcc not found")
+
+    monkeypatch.setattr(candidate_sampler, "_torch_top_k_only", False)  # restored afterwards
+    monkeypatch.setattr(sampler_module, "top_candidates", lambda logits, k: broken_top_k())
+    sampler = fake_sampler(100)
+    with caplog.at_level("WARNING", logger="vllm_sampling_mask"):
+        attach_capture(sampler, fake_config(True))
+    assert "uses torch.topk" in caplog.text and "nvcc not found" in caplog.text
+    assert candidate_sampler._torch_top_k_only
+    values, ids = candidate_sampler.top_candidates(torch.tensor([[0.0, 3.0, 1.0]]), 2)
+    assert ids.tolist() == [[1, 2]] and values.tolist() == [[3.0, 1.0]]

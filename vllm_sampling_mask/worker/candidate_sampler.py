@@ -128,6 +128,16 @@ def _flashinfer_top_k() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | No
     return top_k
 
 
+_torch_top_k_only = False  # set by use_torch_top_k
+
+
+def use_torch_top_k() -> None:
+    """Take the candidates with ``torch.topk`` from now on in this process (FlashInfer's top-k
+    failed, e.g. its JIT compilation on a machine without a CUDA compiler)."""
+    global _torch_top_k_only
+    _torch_top_k_only = True
+
+
 def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values [R, k], ids [R, k] int64)``: each row's ``k`` largest logits, descending.
 
@@ -136,7 +146,8 @@ def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     H200, 151936 ids, k 50: ``torch.topk`` costs ~20 launches (86 us of host time at one row)
     and 0.6 ms of device time at 256 rows, FlashInfer's 0.17 ms (benchmarks/bench_sampler_paths.py).
     """
-    flashinfer_top_k = _flashinfer_top_k() if logits.is_cuda else None
+    flashinfer_top_k = (_flashinfer_top_k() if logits.is_cuda and not _torch_top_k_only
+                        else None)
     if flashinfer_top_k is None:
         return torch.topk(logits, k, dim=1)
     return flashinfer_top_k(logits, k, sorted=True, deterministic=True)

@@ -19,6 +19,7 @@ and are never unpacked, and a step with none that wants masks runs vLLM's sample
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import numpy as np
@@ -29,9 +30,12 @@ from vllm_sampling_mask.worker.candidate_sampler import (
     MAX_CANDIDATES,
     sample_from_candidates,
     top_candidates,
+    use_torch_top_k,
 )
 from vllm_sampling_mask.worker.compaction import CompactSupport
 from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, DeviceStepMasks, compact_step
+
+logger = logging.getLogger("vllm_sampling_mask")
 
 _CAPTURE_ATTR = "sampling_mask_capture"
 _PENDING_ATTR = "_sampling_mask_pending"
@@ -70,8 +74,13 @@ def attach_capture(sampler: Any, vllm_config: Any) -> None:
     )
     sampler.use_flashinfer = False
     # FlashInfer JIT-compiles its top-k kernels on first use (minutes on a new machine): do it
-    # while the engine loads, not in the first request's step.
-    top_candidates(torch.zeros((1, states.vocab_size), device=states.top_k.gpu.device), 1)
+    # while the engine loads, not in the first request's step; if that fails, torch.topk.
+    try:
+        top_candidates(torch.zeros((1, states.vocab_size), device=states.top_k.gpu.device), 1)
+    except Exception as exc:
+        logger.warning("FlashInfer's top-k failed (%s: %s); the sampling-mask candidate sampler "
+                       "uses torch.topk, which is slower.", type(exc).__name__, exc)
+        use_torch_top_k()
 
 
 def wrap_load_model(original: Any) -> Any:
