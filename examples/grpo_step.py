@@ -10,6 +10,7 @@ normalised over the token's kept set) and its sampling mask, in whatever form it
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,20 @@ from vllm_sampling_mask.training import (
     pack_padded_batch,
     support_logprobs,
 )
+
+
+def add_rollout_args(parser: argparse.ArgumentParser, weights_of: str) -> None:
+    """The options both examples take: model, group size, sampling, dtype, the ratio check."""
+    parser.add_argument("model", nargs="?", help="model directory (default: build a tiny one)")
+    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--dtype", default="float32",
+                        help=f"weights of both {weights_of} and policy (float32: identical scores)")
+    parser.add_argument("--max-ratio-error", type=float, default=None,
+                        help="exit 1 if the kept-set mean ratio is further than this from 1")
 
 
 @dataclass(frozen=True)

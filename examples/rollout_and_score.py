@@ -24,24 +24,15 @@ import sys
 
 import torch
 
-from grpo_step import Rollout, grpo_step, report
+from grpo_step import Rollout, add_rollout_args, grpo_step, report
 
 PROMPTS = ["The quick brown fox", "Hello world"]
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("model", nargs="?", help="model directory (default: build a tiny one)")
-    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt")
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=20)
-    parser.add_argument("--top-p", type=float, default=0.9)
-    parser.add_argument("--dtype", default="float32",
-                        help="weights of both engine and policy (float32: identical scores)")
+    add_rollout_args(parser, "engine")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
-    parser.add_argument("--max-ratio-error", type=float, default=None,
-                        help="exit 1 if the kept-set mean ratio is further than this from 1")
     return parser.parse_args()
 
 

@@ -9,8 +9,9 @@ values, ``repetition_penalty``). A request that opts out
 without the switch is refused.
 
 Every request of a mask engine, opted out or not, must also fit Model Runner V2's fixed-width
-per-request tensors (a mask engine always runs MRV2, where a value that does not fit raises in the
-worker and ends the engine): ``check_engine_limits`` runs on the request ``process_inputs`` built
+per-request tensors (on MRV2, which vLLM picks for most dense models, a value that does not fit
+raises in the worker and ends the engine; the same limits hold on a V1 mask engine, one rule for
+every mask server): ``check_engine_limits`` runs on the request ``process_inputs`` built
 (after vLLM filled in ``max_tokens``, the EOS stop ids and the bad words' token ids). A violation
 is a ``ValueError`` for that request only (HTTP 400 naming the parameter); the engine keeps
 serving.
@@ -108,8 +109,8 @@ def check_engine_limits(request: Any, vocab_size: int, max_prompt_id: int) -> No
 
     def refuse(parameter: str, constraint: str, value: Any, why: str) -> None:
         raise VLLMValidationError(
-            f"{parameter} {constraint} on this server ({_SWITCH}: it runs Model Runner V2, whose "
-            f"per-request tensors {why}), got {value!r}.", parameter=parameter, value=value)
+            f"{parameter} {constraint} on this server ({_SWITCH}: Model Runner V2's per-request "
+            f"tensors {why}), got {value!r}.", parameter=parameter, value=value)
 
     def check_ids(parameter: str, ids: Any, stop: int = vocab_size) -> None:
         if not ids or (min(ids) >= 0 and max(ids) < stop):  # C loops: prompts can be long
