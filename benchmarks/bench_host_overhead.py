@@ -6,12 +6,13 @@ with top_k ``--top-k``, through the same code the engine runs, each hop timed se
     python benchmarks/bench_host_overhead.py --out bench_out/host_overhead.json   # 512 x 151936
     python benchmarks/bench_host_overhead.py --small                              # smoke (seconds)
 
-- ``launch``           worker, only where CUDA is available: the host side of the sampler's
-                       capture call on ``[R, V]`` fp32 CUDA logits (width, output allocations,
-                       the two Triton launches), in the engine-core total;
+- ``launch_*``         worker, only where CUDA and FlashInfer are: the host side of a mask
+                       step's sampling call (``candidates``) and of stock vLLM's
+                       (``stock_flashinfer``) on ``[R, V]`` fp32 CUDA logits; their
+                       difference ``launch_extra`` is in the engine-core total;
 - ``unpack``           worker: ``HostStepMasks.unpack``, the copied ``[R, 1 + W]`` counts + ids
-                       -> one int32 bytes row per request; ``unpack_overflow``: the same with one row wider than W
-                       (read from the copied bitmap);
+                       -> the step's row bytes and offsets; ``unpack_overflow``: the same with
+                       one row wider than W (expanded from the bitmap by ``expand_rows``);
 - ``scheduler``        engine core: the ``Scheduler.update_from_output`` wrapper, i.e.
                        the step's row bytes, one to every request's output;
 - ``encode``/``decode`` the ZMQ hop: vLLM's ``MsgpackEncoder`` / ``MsgpackDecoder`` of one
@@ -107,9 +108,10 @@ def make_step(num_requests: int, vocab_size: int, top_k: int, wide_row: int | No
     """A ``HostStepMasks`` as the async copy leaves it: ``top_k`` sorted random ids per row.
 
     Built by ``compact_support_reference`` from processed logits (-inf but ``top_k`` random
-    ids per row), so it follows the kernel's output layout. With ``wide_row`` set, row 0 keeps
-    ``wide_row`` (> top_k) ids: the width is ``top_k``, so that row is read from the bitmap
-    (copied with the ids, as when some request's top_k exceeds the width cap).
+    ids per row), so it follows the kernel's output layout, on the GPU where there is one (so
+    that a wide row is expanded there, as in the engine). With ``wide_row`` set, row 0 keeps
+    ``wide_row`` (> top_k) ids: the width is ``top_k``, so that row is expanded from the bitmap
+    (a tie at the top-k boundary, or a request's top_k above the width cap).
     """
     import numpy as np
     import torch
@@ -122,11 +124,13 @@ def make_step(num_requests: int, vocab_size: int, top_k: int, wide_row: int | No
     for r in range(num_requests):
         kept = wide_row if (r == 0 and wide_row is not None) else top_k
         logits[r, torch.from_numpy(rng.choice(vocab_size, kept, replace=False))] = 1.0
-    support = compact_support_reference(logits, top_k)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    support = compact_support_reference(logits.to(device), top_k)
     del logits
-    # On CPU tensors the "copy" is the tensors themselves: what unpack reads after the event.
-    device_masks = DeviceStepMasks(support, overflow_expected=wide_row is not None)
-    return device_masks.copy_to_host_nonblocking()
+    host = DeviceStepMasks(support).copy_to_host_nonblocking()
+    if device == "cuda":
+        torch.cuda.synchronize()  # what unpack finds after the step's copy event
+    return host
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -180,9 +184,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         results[name] = measure(run, setup, args.warmup, args.reps)
 
     # (a) worker
-    launch = cuda_launch_timer(R, V, K)
+    launch = cuda_launch_timers(R, V, K)
     if launch is not None:
-        timed("launch", *launch)
+        timed("launch_candidates", *launch["candidates"])
+        timed("launch_stock_flashinfer", *launch["stock_flashinfer"])
     timed("unpack", lambda _: host.unpack(num_sampled))
     timed("unpack_overflow", lambda _: host_wide.unpack(num_sampled))
 
@@ -193,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                               for rid, tok in zip(request_ids, tokens)])}
 
     update = wrap_update_from_output(lambda self, sched_out, runner_out: self.pending)
-    runner_output = SimpleNamespace(sampling_masks=step, req_id_to_index=index)
+    runner_output = SimpleNamespace(sampling_masks=step, req_id_to_index=index, req_ids=request_ids)
 
     def scheduler_setup() -> Any:
         return Stub(sampling_mask_enabled=True, pending=scheduler_outputs())
@@ -219,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                   "stock": sum(len(f) for f in frames_stock)}
 
     # (c) frontend: the plugin's process_outputs wrapper (per-request accumulation)
-    process = wrap_process_outputs(lambda self, outputs, *a, **k: None)
+    process = wrap_process_outputs(lambda self, outputs, *a, **k: SimpleNamespace(reqs_to_abort=[]))
 
     def frontend_setup() -> Any:
         # As add_request leaves them (once per request, not per step): row list made.
@@ -243,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         states = []
         for i, (rid, tok) in enumerate(zip(request_ids, tokens)):
             held = RequestMaskRows(streaming=True)
-            held.append(step.rows[i])
+            held.append(step.row_bytes(i))
             states.append(Stub(request_id=rid, completion=SimpleNamespace(token_ids=[tok]),
                                output_kind=RequestOutputKind.DELTA, sampling_mask_rows=held))
         return states
@@ -262,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     ms = {name: r["cpu_ms"] for name, r in results.items()}  # read_* are the consumer's
     per_step = {
-        **({"launch": ms["launch"]} if "launch" in ms else {}),
+        **({"launch_extra": ms["launch_candidates"] - ms["launch_stock_flashinfer"]}
+           if "launch_candidates" in ms else {}),
         "unpack": ms["unpack"],
         "scheduler": ms["scheduler"],
         "encode_extra": ms["encode_with_masks"] - ms["encode_stock"],
@@ -274,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # With one GPU the worker runs inside the engine-core process; the frontend is another
     # process, so the two subtotals overlap in time (async scheduling overlaps both with the GPU).
     per_process = {
-        "engine_core": per_step.get("launch", 0.0) + per_step["unpack"] + per_step["scheduler"]
+        "engine_core": per_step.get("launch_extra", 0.0) + per_step["unpack"] + per_step["scheduler"]
         + per_step["encode_extra"],
         "frontend": per_step["decode_extra"] + per_step["frontend"] + per_step["attach"],
     }
@@ -300,27 +306,42 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return report
 
 
-def cuda_launch_timer(num_requests: int, vocab_size: int,
-                      top_k: int) -> tuple[Callable[[Any], Any], Callable[[], Any]] | None:
-    """``(run, setup)`` timing the sampler's capture call (``SamplingMaskCapture.compact``: width
-    choice, allocations, the two Triton launches) on ``[R, V]`` fp32 CUDA logits, or ``None``
-    without CUDA. ``setup`` waits for the GPU, so each timed call starts with an idle queue."""
-    import numpy as np
+def cuda_launch_timers(num_requests: int, vocab_size: int, top_k: int
+                       ) -> dict[str, tuple[Callable[[Any], Any], Callable[[], Any]]] | None:
+    """``{name: (run, setup)}`` timing the host side of a mask step's sampling call
+    (``candidates``: ``sample_from_candidates``, the FlashInfer top-k and the Triton launch)
+    and of stock vLLM's (``stock_flashinfer``: ``flashinfer_sample``) on the same ``[R, V]``
+    fp32 CUDA logits, top_k ``top_k``, top_p 0.95; ``None`` without CUDA or FlashInfer.
+    ``setup`` waits for the GPU, so each timed call starts with an idle queue."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    from vllm_sampling_mask.config import DEFAULT_MAX_WIDTH
-    from vllm_sampling_mask.worker.sampler import SamplingMaskCapture
+    try:
+        from vllm.v1.sample.ops.topk_topp_sampler import flashinfer_sample
+    except ImportError:
+        return None
+    from vllm_sampling_mask.worker.candidate_sampler import sample_from_candidates
 
-    capture = SamplingMaskCapture(DEFAULT_MAX_WIDTH, vocab_size)
-    logits = torch.randn(num_requests, vocab_size, device="cuda")  # [R, V] fp32
-    top_k_np = np.full(num_requests, top_k, dtype=np.int32)
+    R = num_requests
+    logits = torch.randn(R, vocab_size, device="cuda")  # [R, V] fp32
+    k = torch.full((R,), top_k, dtype=torch.int32, device="cuda")
+    p = torch.full((R,), 0.95, dtype=torch.float32, device="cuda")
+    slots = torch.arange(R, dtype=torch.int32, device="cuda")
+    temperature = torch.ones(R, dtype=torch.float32, device="cuda")
+    seeds = torch.arange(R, dtype=torch.int64, device="cuda")
+    pos = torch.full((R,), 100, dtype=torch.int64, device="cuda")
 
-    def setup() -> None:
+    def setup() -> torch.Tensor:
+        copy = logits.clone()  # both paths filter in place
         torch.cuda.synchronize()
+        return copy
 
-    return (lambda _: capture.compact(logits, top_k_np)), setup
+    return {
+        "candidates": (lambda x: sample_from_candidates(x, top_k, slots, k, p, temperature,
+                                                        seeds, pos, write_processed=False), setup),
+        "stock_flashinfer": (lambda x: flashinfer_sample(x, k, p), setup),
+    }
 
 
 def _cpu_name() -> str:

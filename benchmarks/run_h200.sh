@@ -8,17 +8,19 @@
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh engine
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh http
 #
-#   verify  FlashInfer's JIT (sampling + top-k kernels: ~3-4 min on a new machine, cached in
-#           ~/.cache/flashinfer for the next calls), GPU tests of both runners, step costs
-#           of the sampling paths                                                (~9 min)
-#   engine  stock / on / optout interleaved, compiled, 6 rounds; then stock / on with
-#           logprobs=1, 4 rounds                                                 (~9 min)
-#   http    HTTP throughput at concurrency 1 and 64, compiled; host overhead    (~7 min)
+#   verify    FlashInfer's JIT (sampling + top-k kernels: ~3-4 min on a new machine, cached in
+#             ~/.cache/flashinfer for the next calls), the MRV2 GPU tests, the compaction and
+#             host unpack at top_k 50 and with every row wider than the width cap    (~9 min)
+#   engine    stock / on / optout interleaved, compiled, 6 rounds                    (~6 min)
+#   logprobs  stock / on with logprobs=1, interleaved, compiled, 4 rounds            (~4 min)
+#   http      HTTP throughput at concurrency 1 and 64, compiled; host overhead; the V1-runner
+#             GPU tests                                                              (~9 min)
+#   paths     step costs of the sampling paths                                      (~1 min)
 #
 # Each step writes <step>.json and <step>.log under $OUT (default bench_out/) and runs under its
 # own time limit; a step that fails is reported and the next one runs. The exit status is the
-# number of failed steps. SMALL=1 runs the benchmark steps of `engine` and `http` as their CPU
-# smoke runs (--small), to check this script without a GPU; `verify` needs the GPU.
+# number of failed steps. SMALL=1 runs the benchmark steps of `engine`, `logprobs` and `http` as
+# their CPU smoke runs (--small), to check this script without a GPU; the tests need the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench_out}
@@ -60,25 +62,33 @@ device='cuda'); flashinfer.top_k(x, 50, sorted=True, deterministic=True); \
 flashinfer.sampling.top_k_top_p_sampling_from_logits(x, torch.full((4,), 50, device='cuda', \
 dtype=torch.int32), torch.full((4,), 0.9, device='cuda')); print('flashinfer JIT done')"
     PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-      step gpu_tests 200 python3 -m pytest -q -s -m gpu tests/test_candidate_sampler.py \
+      step gpu_tests 220 python3 -m pytest -q -s -m gpu tests/test_candidate_sampler.py \
       tests/test_compaction_kernel.py tests/test_gpu_engine.py
-    PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-      step gpu_tests_v1 150 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
-    bench bench_sampler_paths sampler_paths 60
+    bench bench_compaction compaction 60 --batch-sizes 256,512 --vocab-sizes 151936 \
+      --top-ks 50,4097 --unpack-reps 10
     ;;
   engine)
-    bench bench_engine_throughput engine 330 --configs stock,on,optout --interleave \
+    bench bench_engine_throughput engine 360 --configs stock,on,optout --interleave \
       "${compiled[@]}" --reps 6
-    bench bench_engine_throughput engine_logprobs 200 --configs stock,on --interleave \
+    ;;
+  logprobs)
+    bench bench_engine_throughput engine_logprobs 240 --configs stock,on --interleave \
       "${compiled[@]}" --reps 4 --logprobs 1
     ;;
   http)
     bench bench_http_throughput http 330 /root/models/qwen3-0.6b "${compiled[@]}" \
       --concurrency 1,64
-    bench bench_host_overhead host_overhead 45
+    bench bench_host_overhead host_overhead 60
+    if [ -z "$small" ]; then
+      PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+        step gpu_tests_v1 180 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
+    fi
+    ;;
+  paths)
+    bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh verify|engine|http" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh verify|engine|logprobs|http|paths" >&2
     exit 2
     ;;
 esac

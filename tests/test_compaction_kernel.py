@@ -10,6 +10,8 @@ from vllm_sampling_mask.worker.compaction import (
     CompactionLaunch,
     compact_support,
     compact_support_reference,
+    expand_rows,
+    expand_rows_reference,
 )
 from vllm_sampling_mask.worker.step_masks import DeviceStepMasks
 
@@ -71,6 +73,32 @@ def test_many_blocks_per_row(device: str, launch: CompactionLaunch, vocab: int) 
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("vocab", "launch"), [
+    (1000, None),  # the device's default block
+    (1000, CompactionLaunch(32, count_warps=1, scatter_warps=1)),
+    (4097, CompactionLaunch(256, count_warps=4, scatter_warps=2)),
+], ids=["1000-default", "1000-block32", "4097-block256"])
+def test_expand_rows_matches_reference(device: str, vocab: int,
+                                       launch: CompactionLaunch | None) -> None:
+    # Any subset of rows, in any order, repeated: each row's ids whole (no width), row after row.
+    sizes = [0, 1, 40, 41, vocab // 2, vocab, 7]
+    logits = make_logits(vocab, sizes, torch.bfloat16, seed=vocab + 1)
+    logits[3, :64] = 0.0  # dense words across a block boundary at block 32
+    logits[3, 64:70] = float("nan")
+    support = compact_support(logits.to(device), 8, launch)
+    rows = [5, 0, 3, 4, 1, 6, 5]
+    counts = support.counts.cpu()[rows].to(torch.int64)
+    starts = torch.cumsum(counts, 0) - counts
+    got = expand_rows(support, torch.tensor(rows, device=device), starts.to(device),
+                      int(counts.sum())).cpu()
+    expected = expand_rows_reference(support, rows)
+    assert expected == expand_rows_reference(compact_support_reference(logits, 8), rows)
+    assert got.tolist() == [i for row in expected for i in row]
+    assert expand_rows(support, torch.tensor([], dtype=torch.int64, device=device),
+                       torch.tensor([], dtype=torch.int64, device=device), 0).numel() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_nan_and_infinities_are_never_kept(device: str) -> None:
     logits = make_logits(257, [40, 40, 257], torch.float32)
     logits[0, :5] = float("nan")
@@ -93,7 +121,7 @@ def test_top_k_boundary_ties_overflow_the_width_exactly(device: str) -> None:
     logits[:, 500:520] = 10.0  # 20 tied maxima, top_k = 8 keeps all 20
     logits[:, :500] = float("-inf")
     logits[:, 520:] = float("-inf")
-    device_masks = DeviceStepMasks(compact_support(logits.to(device), top_k), overflow_expected=False)
+    device_masks = DeviceStepMasks(compact_support(logits.to(device), top_k))
     host = device_masks.copy_to_host_nonblocking()
     step = host.unpack(np.ones(3, dtype=np.int32))
     assert step.row_lengths() == [20, 20, 20]
@@ -102,13 +130,13 @@ def test_top_k_boundary_ties_overflow_the_width_exactly(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("overflow_expected", [False, True])
-def test_host_unpack_matches_reference_rows(device: str, overflow_expected: bool) -> None:
-    vocab, width = 3001, 24
+@pytest.mark.parametrize("width", [24, 400])  # narrow (whole-buffer copy) and wide unpack
+def test_host_unpack_matches_reference_rows(device: str, width: int) -> None:
+    vocab = 3001
     sizes = [0, 1, 23, 24, 25, 600, vocab, 7]
     logits = make_logits(vocab, sizes, torch.bfloat16, seed=3).to(device)
     num_sampled = np.array([1, 1, 1, 1, 1, 1, 1, 0], dtype=np.int32)  # last row: partial prefill
-    step = DeviceStepMasks(compact_support(logits, width), overflow_expected).copy_to_host_nonblocking()
+    step = DeviceStepMasks(compact_support(logits, width)).copy_to_host_nonblocking()
     if device == "cuda":
         torch.cuda.synchronize()
     masks = step.unpack(num_sampled)

@@ -17,7 +17,7 @@ from vllm_sampling_mask.worker.sampler import (
 from vllm_sampling_mask.worker.step_masks import (
     NO_MASKS_WANTED,
     WIDE_UNPACK_WIDTH,
-    fetch_rows,
+    expand_rows_to_host,
     tie_slack,
 )
 
@@ -76,7 +76,7 @@ def test_opted_out_rows_are_left_out_and_steps_without_masks_keep_vllms_sampler(
     sample(sampler, logits, None, np.array([2, 5]), None, None, None)
     step = sampler.__dict__.pop("_sampling_mask_pending")
     # The width follows the wanting row (3 + slack), not the opted-out row's vocabulary.
-    assert step.support.ids.shape == (2, 3 + tie_slack(3)) and not step.overflow_expected
+    assert step.support.ids.shape == (2, 3 + tie_slack(3))
     assert flashinfer_seen[-1] is False
     rows = step.copy_to_host_nonblocking().unpack(np.ones(2, dtype=np.int32)).rows
     assert rows[0] == np.array([7, 8, 9], dtype="<i4").tobytes() and rows[1] is None
@@ -97,27 +97,29 @@ def test_width_is_the_batch_largest_top_k_plus_tie_slack_capped() -> None:
     capture = SamplingMaskCapture(max_width=64, vocab_size=500)
     logits = torch.randn(3, 500)
     step = capture.compact(logits, np.array([5, 20, 9], dtype=np.int32))
-    assert step.support.ids.shape == (3, 20 + tie_slack(20)) and not step.overflow_expected
-    # "no top_k" is stored by vLLM as the vocabulary size: capped width, bitmap copied eagerly.
+    assert step.support.ids.shape == (3, 20 + tie_slack(20))
+    # "no top_k" is stored by vLLM as the vocabulary size: capped width, row 1 expanded from
+    # the bitmap.
     step = capture.compact(logits, np.array([5, 500, 9], dtype=np.int32))
-    assert step.support.ids.shape == (3, 64) and step.overflow_expected
+    assert step.support.ids.shape == (3, 64)
     host = step.copy_to_host_nonblocking().unpack(np.ones(3, dtype=np.int32))
     assert host.row(1).tolist() == list(range(500))  # exact beyond the cap
 
 
 def test_rows_wider_than_the_width_are_fetched_from_the_bitmap() -> None:
-    # Ties beyond the slack: the width is too small for row 1, which is read from the bitmap
-    # (fetch_rows; on a GPU on a side stream) and still exact.
+    # Ties beyond the slack: the width is too small for row 1, which is expanded from the bitmap
+    # (expand_rows_to_host; on a GPU on a side stream) and still exact.
     capture = SamplingMaskCapture(max_width=64, vocab_size=300)
     logits = torch.full((2, 300), float("-inf"))
     logits[0, :3] = 0.0
     logits[1, 100:200] = 1.0  # 100 ids tied, far beyond top_k 3 + slack 32
     step = capture.compact(logits, np.array([3, 3], dtype=np.int32))
-    assert not step.overflow_expected and step.support.ids.shape == (2, 35)
+    assert step.support.ids.shape == (2, 35)
     host = step.copy_to_host_nonblocking().unpack(np.ones(2, dtype=np.int32))
     assert host.row(0).tolist() == [0, 1, 2]
     assert host.row(1).tolist() == list(range(100, 200))
-    assert fetch_rows(step.support.bits, np.array([1])).shape == (1, 10)
+    ids = expand_rows_to_host(step.support, np.array([1, 0]), np.array([100, 3]))
+    assert np.frombuffer(ids, dtype="<i4").tolist() == list(range(100, 200)) + [0, 1, 2]
 
 
 def test_wide_buffers_unpack_by_row_slices_to_the_same_rows() -> None:
@@ -129,7 +131,7 @@ def test_wide_buffers_unpack_by_row_slices_to_the_same_rows() -> None:
         logits[r, ids] = 0.0
     capture = SamplingMaskCapture(max_width=4096, vocab_size=2000)
     step = capture.compact(logits, np.full(4, 600, dtype=np.int32))
-    assert step.support.ids.shape[1] > WIDE_UNPACK_WIDTH and not step.overflow_expected
+    assert step.support.ids.shape[1] > WIDE_UNPACK_WIDTH
     host = step.copy_to_host_nonblocking().unpack(np.array([1, 1, 0, 1]))  # row 2 sampled nothing
     expected = [sorted(k.tolist()) for k in kept]
     expected[2] = []

@@ -503,7 +503,7 @@ def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig]) ->
     model_runner_output = ModelRunnerOutput(
         req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[11], [12]]
     )
-    model_runner_output.sampling_masks = StepSamplingMasks(
+    model_runner_output.sampling_masks = StepSamplingMasks.from_rows(
         [np.array([3, 11], dtype="<i4").tobytes(), None])
     outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
     by_id = {o.request_id: o for o in outputs[0].outputs}

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_sampling_mask.config import SamplingMaskConfig
 from vllm_sampling_mask.engine.transport import MASK_BUG_HINT, fail_output, outputs_carry_masks
+
+if TYPE_CHECKING:
+    from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
 
 logger = logging.getLogger("vllm_sampling_mask")
 
@@ -49,19 +52,20 @@ def wrap_update_from_output(original: Any) -> Any:
             outputs = original(self, scheduler_output, model_runner_output)
         step = getattr(model_runner_output, "sampling_masks", None)
         index = model_runner_output.req_id_to_index
-        row_bytes = None if step is None else step.rows
-        step_problem = _step_problem(row_bytes, len(model_runner_output.req_ids))
+        step_problem = _step_problem(step, len(model_runner_output.req_ids))
+        if step_problem is None:
+            blob, starts, ends = step.blob, step.starts, step.ends
         for engine_core_outputs in outputs.values():
             for output in engine_core_outputs.outputs:
                 num_new = len(output.new_token_ids)
                 if num_new == 0:
                     continue  # no token (stale frame, finish only): its row, if any, has none
-                problem = step_problem or (
-                    None if num_new == 1 else f"the step produced {num_new} tokens for it but "
-                    "one row")
-                if problem is None:
-                    output.sampling_mask = row_bytes[index[output.request_id]]  # None: opted out
+                if num_new == 1 and step_problem is None:
+                    r = index[output.request_id]
+                    start = starts[r]
+                    output.sampling_mask = None if start < 0 else blob[start : ends[r]]
                     continue
+                problem = step_problem or f"the step produced {num_new} tokens for it but one row"
                 logger.error("sampling masks lost for request %s: %s; the request is finished "
                              "with an error. %s", output.request_id, problem, MASK_BUG_HINT)
                 self.finish_requests(output.request_id, RequestStatus.FINISHED_ERROR)
@@ -71,10 +75,10 @@ def wrap_update_from_output(original: Any) -> Any:
     return update_from_output
 
 
-def _step_problem(row_bytes: list[bytes | None] | None, num_batch_rows: int) -> str | None:
+def _step_problem(step: StepSamplingMasks | None, num_batch_rows: int) -> str | None:
     """Why a step's rows can't be handed out (``None``: they can)."""
-    if row_bytes is None:
+    if step is None:
         return "the step carries no masks"
-    if len(row_bytes) != num_batch_rows:
-        return f"the step carries {len(row_bytes)} mask rows for {num_batch_rows} batch rows"
+    if len(step.starts) != num_batch_rows:
+        return f"the step carries {len(step.starts)} mask rows for {num_batch_rows} batch rows"
     return None

@@ -144,14 +144,18 @@ def wrap_process_outputs(original: Any) -> Any:
         to_abort: list[str] = []
         for output in engine_core_outputs:
             state = states.get(output.request_id)
-            holder = None if state is None else state.__dict__.get(_ROWS_ATTR)
+            if state is None:
+                continue
+            holder = state.__dict__.get(_ROWS_ATTR)
             if holder is None:
                 continue
             row = getattr(output, "sampling_mask", None)
             num_new = len(output.new_token_ids)
-            if num_new == (0 if row is None else 1):
-                if row is not None:
+            if row is not None:
+                if num_new == 1:
                     holder.append(row)
+                    continue
+            elif num_new == 0:
                 continue
             logger.error(
                 "sampling mask of request %s: an output with %d token(s) carries %s; the request "
@@ -180,6 +184,12 @@ def wrap_new_completion_output(original: Any) -> Any:
         completion = original(self, *args, **kwargs)
         holder: RequestMaskRows = self.__dict__[_ROWS_ATTR]
         num_tokens = len(completion.token_ids)  # == the rows held: process_outputs checks
+        pending = holder.pending
+        if pending is not None and num_tokens == 1 == len(pending):
+            # A streamed token (every step of every streaming request): its row as it came.
+            row = pending.pop()
+            completion.sampling_mask = SamplingMask.from_wire((len(row) >> 2,), row)
+            return completion
         if self.output_kind is not cumulative:
             # DELTA: the new tokens' rows; FINAL_ONLY: all rows (built once, at the end).
             completion.sampling_mask = holder.take_last(num_tokens)

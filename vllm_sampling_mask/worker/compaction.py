@@ -9,8 +9,8 @@ result is, per row ``r``:
 - ``bits[r]``: all kept ids as a little-endian bitmap, bit ``v % 32`` of word ``v // 32``.
 
 So a row of at most ``W`` ids is read from ``packed``, and a wider one (top-k boundary ties, top_k
-above the width cap) from ``bits``: the host copies ``[R, 1 + W]`` int32 each step and touches a
-``[R, ceil(V / 32)]`` bitmap only when some row overflows.
+above the width cap, top-p only) is expanded from ``bits`` on the device by ``expand_rows``: the
+host copies ``[R, 1 + W]`` int32 each step and, only when some row overflows, those rows' ids.
 
 Two launches, each over ``(ceil(V / BLOCK), R)`` programs, so a batch of one row still spreads
 the vocabulary over the whole GPU instead of walking it serially:
@@ -48,11 +48,16 @@ class CompactSupport:
             per-step device->host transfer is a single copy.
     bits:   ``[R, ceil(V / 32)]`` int32, bitmap of the kept ids of each row; None where no
             count exceeds W (the candidate sampler's masks).
+    block_counts: ``[R, ceil(V / block)]`` int32, kept ids per vocabulary block of ``block``
+            entries (``expand_rows`` starts each block's ids at their sum before it); None with
+            ``bits``.
     """
 
     packed: torch.Tensor
     bits: torch.Tensor | None
     vocab_size: int
+    block_counts: torch.Tensor | None = None
+    block: int = 0
 
     @property
     def counts(self) -> torch.Tensor:
@@ -109,6 +114,40 @@ def _count_and_pack_kernel(
 
 
 @triton.jit
+def _store_block_ids(bits_row_ptr, block, num_words, offset, limit, out_ptr,
+                     BLOCK: tl.constexpr):
+    """Write the kept ids of vocabulary block ``block`` (from its bitmap words) to
+    ``out_ptr[offset + j]``, ascending, for the ``j`` with ``offset + j < limit``."""
+    WORDS: tl.constexpr = BLOCK // 32
+    word_offs = block * WORDS + tl.arange(0, WORDS)
+    words = tl.load(bits_row_ptr + word_offs, mask=word_offs < num_words,
+                    other=0).to(tl.uint32, bitcast=True)
+    word_counts = _popcount(words)
+    # Output position of each word's lowest kept id.
+    position = offset + tl.cumsum(word_counts, axis=0) - word_counts
+    # Peel one kept id (the lowest set bit) off every word per iteration: as many iterations as
+    # the densest word has bits (1-2 for top-k rows, 32 for a dense row), and never more than
+    # the slots left below the limit.
+    num_peels = tl.minimum(tl.max(word_counts, axis=0), limit - offset)
+    for _ in range(num_peels):
+        rest = words & (words - 1)  # the word without its lowest set bit
+        vocab_ids = word_offs * 32 + _popcount((words ^ rest) - 1)
+        tl.store(out_ptr + position, vocab_ids, mask=(words != 0) & (position < limit))
+        words = rest
+        position += 1
+
+
+@triton.jit
+def _block_offset(block_counts_row_ptr, block, num_blocks, NUM_BLOCKS_POW2: tl.constexpr):
+    """``(kept ids of the row's blocks before block, of the block, of the whole row)``."""
+    block_ids = tl.arange(0, NUM_BLOCKS_POW2)
+    row_counts = tl.load(block_counts_row_ptr + block_ids, mask=block_ids < num_blocks, other=0)
+    offset = tl.sum(tl.where(block_ids < block, row_counts, 0), axis=0)
+    own_count = tl.sum(tl.where(block_ids == block, row_counts, 0), axis=0)
+    return offset, own_count, tl.sum(row_counts, axis=0)
+
+
+@triton.jit
 def _scatter_ids_kernel(
     block_counts_ptr,
     bits_ptr,
@@ -123,34 +162,38 @@ def _scatter_ids_kernel(
     block = tl.program_id(0)
     # int64: row * (width + 1) and row * scratch_stride pass 2**31 as the first kernel's offsets do.
     row = tl.program_id(1).to(tl.int64)
-    block_ids = tl.arange(0, NUM_BLOCKS_POW2)
-    row_counts = tl.load(
-        block_counts_ptr + row * scratch_stride + block_ids, mask=block_ids < num_blocks, other=0
-    )
-    offset = tl.sum(tl.where(block_ids < block, row_counts, 0), axis=0)
-    own_count = tl.load(block_counts_ptr + row * scratch_stride + block)
+    offset, own_count, row_count = _block_offset(block_counts_ptr + row * scratch_stride, block,
+                                                 num_blocks, NUM_BLOCKS_POW2)
     out_row = packed_ptr + row * (width + 1)
     if block == 0:
-        tl.store(out_row, tl.sum(row_counts, axis=0))
+        tl.store(out_row, row_count)
     # Sparse rows (top-k of a large vocabulary) leave many blocks empty: those stop here.
     if (offset < width) & (own_count > 0):
-        WORDS: tl.constexpr = BLOCK // 32
-        word_offs = block * WORDS + tl.arange(0, WORDS)
-        words = tl.load(bits_ptr + row * scratch_stride + word_offs, mask=word_offs < num_words,
-                        other=0).to(tl.uint32, bitcast=True)
-        word_counts = _popcount(words)
-        # Output position of each word's lowest kept id.
-        position = offset + tl.cumsum(word_counts, axis=0) - word_counts
-        # Peel one kept id (the lowest set bit) off every word per iteration: as many
-        # iterations as the densest word has bits (1-2 for top-k rows, 32 for a dense row),
-        # and never more than the slots left below the width.
-        num_peels = tl.minimum(tl.max(word_counts, axis=0), width - offset)
-        for _ in range(num_peels):
-            rest = words & (words - 1)  # the word without its lowest set bit
-            vocab_ids = word_offs * 32 + _popcount((words ^ rest) - 1)
-            tl.store(out_row + 1 + position, vocab_ids, mask=(words != 0) & (position < width))
-            words = rest
-            position += 1
+        _store_block_ids(bits_ptr + row * scratch_stride, block, num_words, offset, width,
+                         out_row + 1, BLOCK)
+
+
+@triton.jit
+def _expand_rows_kernel(
+    block_counts_ptr,
+    bits_ptr,
+    rows_ptr,
+    out_starts_ptr,
+    out_ptr,
+    scratch_stride,
+    num_blocks,
+    num_words,
+    BLOCK: tl.constexpr,
+    NUM_BLOCKS_POW2: tl.constexpr,
+):
+    block = tl.program_id(0)
+    row = tl.load(rows_ptr + tl.program_id(1))  # int64
+    offset, own_count, row_count = _block_offset(block_counts_ptr + row * scratch_stride, block,
+                                                 num_blocks, NUM_BLOCKS_POW2)
+    if own_count > 0:
+        out_row = out_ptr + tl.load(out_starts_ptr + tl.program_id(1))
+        _store_block_ids(bits_ptr + row * scratch_stride, block, num_words, offset, row_count,
+                         out_row, BLOCK)
 
 
 @dataclass(frozen=True)
@@ -207,7 +250,7 @@ def compact_support(
     scratch = torch.empty((num_rows, num_words + num_blocks), dtype=torch.int32, device=device)
     bits, block_counts = scratch[:, :num_words], scratch[:, num_words:]
     if num_rows == 0:
-        return CompactSupport(packed, bits, vocab_size)
+        return CompactSupport(packed, bits, vocab_size, block_counts, block)
     row_stride = scratch.stride(0)
     grid = (num_blocks, num_rows)
     _count_and_pack_kernel[grid](
@@ -219,7 +262,35 @@ def compact_support(
         BLOCK=block, NUM_BLOCKS_POW2=triton.next_power_of_2(num_blocks),
         num_warps=launch.scatter_warps,
     )
-    return CompactSupport(packed, bits, vocab_size)
+    return CompactSupport(packed, bits, vocab_size, block_counts, block)
+
+
+def expand_rows(support: CompactSupport, rows: torch.Tensor,
+                out_starts: torch.Tensor, total: int) -> torch.Tensor:
+    """Every kept id of the given rows, on the support's device (one launch, no host sync).
+
+    Args:
+        support: a ``compact_support`` result (with ``bits`` and ``block_counts``).
+        rows: ``[n]`` int64, row indices (same device).
+        out_starts: ``[n]`` int64, where each row's ids start in the output: the exclusive
+            prefix sum of the rows' counts (same device).
+        total: the sum of the rows' counts (the output length).
+    Returns:
+        ``[total]`` int32: the ids of ``rows[0]`` ascending, then those of ``rows[1]``, ...
+    """
+    bits, block_counts = support.bits, support.block_counts
+    if bits is None or block_counts is None:
+        raise ValueError("expand_rows needs a support with bits and block_counts")
+    out = torch.empty(total, dtype=torch.int32, device=bits.device)
+    if rows.numel() == 0 or total == 0:
+        return out
+    num_blocks, num_words = block_counts.shape[1], bits.shape[1]
+    _expand_rows_kernel[(num_blocks, rows.numel())](
+        block_counts, bits, rows, out_starts, out, bits.stride(0), num_blocks, num_words,
+        BLOCK=support.block, NUM_BLOCKS_POW2=triton.next_power_of_2(num_blocks),
+        num_warps=CompactionLaunch.scatter_warps,
+    )
+    return out
 
 
 def compact_support_reference(logits: torch.Tensor, width: int) -> CompactSupport:
@@ -240,4 +311,19 @@ def compact_support_reference(logits: torch.Tensor, width: int) -> CompactSuppor
         BITS_PER_WORD, device=logits.device)
     words = (padded.view(num_rows, num_words, BITS_PER_WORD) * weights).sum(dim=2)
     bits = (((words + (1 << 31)) % (1 << 32)) - (1 << 31)).to(torch.int32)  # wrap to int32
-    return CompactSupport(packed, bits, vocab_size)
+    block = CompactionLaunch.default_for(logits).block
+    num_blocks = -(-vocab_size // block)
+    by_block = torch.zeros((num_rows, num_blocks * block), dtype=torch.int32, device=logits.device)
+    by_block[:, :vocab_size] = kept.to(torch.int32)
+    block_counts = by_block.view(num_rows, num_blocks, block).sum(dim=2, dtype=torch.int32)
+    return CompactSupport(packed, bits, vocab_size, block_counts, block)
+
+
+def expand_rows_reference(support: CompactSupport, rows: list[int]) -> list[list[int]]:
+    """Plain torch reference of ``expand_rows``: each row's kept ids, read from ``bits``."""
+    shifts = torch.arange(BITS_PER_WORD, device=support.bits.device)
+    result = []
+    for row in rows:
+        bit_set = (support.bits[row].to(torch.int64).unsqueeze(1) >> shifts) & 1  # [words, 32]
+        result.append(bit_set.flatten()[: support.vocab_size].nonzero().flatten().tolist())
+    return result

@@ -166,8 +166,7 @@ def sample_with_candidates(
         states.seeds.gpu, args[3], write_processed=return_logprobs,
     )
     support = CompactSupport(result.packed, None, logits.shape[1])
-    sampler.__dict__[_PENDING_ATTR] = DeviceStepMasks(support, overflow_expected=False,
-                                                      row_wants=row_wants)
+    sampler.__dict__[_PENDING_ATTR] = DeviceStepMasks(support, row_wants=row_wants)
     return result.sampled, result.processed if return_logprobs else logits
 
 

@@ -8,34 +8,56 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_sampling_mask.worker.compaction import CompactSupport, compact_support
+from vllm_sampling_mask.worker.compaction import CompactSupport, compact_support, expand_rows
 
 
 @dataclass
 class StepSamplingMasks:
     """The kept ids of every row (request) of one step, on the host.
 
-    rows: ``R`` entries; row ``r`` holds its ascending kept ids as little-endian int32 bytes
-          (``4 * n`` bytes for ``n`` ids: the wire format of one output's row), ``b""`` for
-          rows that sampled nothing (partial prefill chunks), ``None`` for requests that opted
-          out of masks. The engine core hands each request its row as is, so a step costs one
-          bytes object per row and no decoding.
+    blob: every row's ascending kept ids as little-endian int32 (the wire format of one
+          output's row), with unused bytes between rows.
+    starts, ends: ``R`` byte offsets each: row ``r`` is ``blob[starts[r]:ends[r]]`` (``4 * n``
+          bytes for ``n`` ids; empty for rows that sampled nothing: partial prefill chunks);
+          ``starts[r] == -1`` for requests that opted out of masks.
+    The engine core slices each output's row from the blob as it hands it out, so a step costs
+    one bytes object per output and no decoding.
     """
 
-    rows: list[bytes | None]
+    blob: bytes
+    starts: list[int]
+    ends: list[int]
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[bytes | None]) -> StepSamplingMasks:
+        """From one bytes row per request (``None``: opted out)."""
+        lengths = [len(row or b"") for row in rows]
+        ends = np.cumsum(lengths).tolist()
+        starts = [-1 if row is None else end - n for row, end, n in zip(rows, ends, lengths)]
+        return cls(b"".join(row or b"" for row in rows), starts, ends)
 
     @classmethod
     def from_id_lists(cls, rows: Sequence[Sequence[int]]) -> StepSamplingMasks:
         """From Python lists of ids (tests, benchmarks)."""
-        return cls([np.asarray(row, dtype="<i4").tobytes() for row in rows])
+        return cls.from_rows([np.asarray(row, dtype="<i4").tobytes() for row in rows])
+
+    def row_bytes(self, index: int) -> bytes | None:
+        """Row ``index`` as wire bytes (``None``: opted out)."""
+        start = self.starts[index]
+        return None if start < 0 else self.blob[start : self.ends[index]]
+
+    @property
+    def rows(self) -> list[bytes | None]:
+        """Every row as wire bytes (``None``: opted out)."""
+        return [self.row_bytes(r) for r in range(len(self.starts))]
 
     def row(self, index: int) -> np.ndarray:
-        """``[n]`` int32 read-only view of one row."""
-        return np.frombuffer(self.rows[index], dtype="<i4")
+        """``[n]`` int32 copy of one row (empty if opted out)."""
+        return np.frombuffer(self.row_bytes(index) or b"", dtype="<i4").copy()
 
     def row_lengths(self) -> list[int]:
         """Number of ids of every row (0 for opted-out rows)."""
-        return [len(row or b"") >> 2 for row in self.rows]
+        return [0 if s < 0 else (e - s) >> 2 for s, e in zip(self.starts, self.ends)]
 
 
 class NoStepMasks:
@@ -45,8 +67,8 @@ class NoStepMasks:
         return self
 
     def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
-        """Every row ``None`` (``num_sampled`` ``[R]``)."""
-        return StepSamplingMasks([None] * len(num_sampled))
+        """Every row opted out (``num_sampled`` ``[R]``)."""
+        return StepSamplingMasks(b"", [-1] * len(num_sampled), [-1] * len(num_sampled))
 
 
 NO_MASKS_WANTED = NoStepMasks()
@@ -59,46 +81,49 @@ WIDE_UNPACK_WIDTH = 256
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def fetch_rows(bits: torch.Tensor, rows: np.ndarray) -> np.ndarray:
-    """``bits[rows]`` on the host, without waiting for work queued after ``bits`` was written.
+def expand_rows_to_host(support: CompactSupport, rows: np.ndarray, counts: np.ndarray) -> bytes:
+    """Every kept id of ``rows`` (``[n]`` int, with ``counts`` ``[n]`` ids each) as one bytes
+    object: each row's ids ascending (little-endian int32), row after row.
 
-    Call only once the kernel that wrote ``bits`` finished (after the step's copy event). The
-    copy then runs on a side stream: on the current stream it would wait for the next step's
-    forward pass that async scheduling has already queued there, i.e. serialise the host with
-    the GPU (measured: -30% decode throughput with CUDA graphs when every step overflowed).
+    Call only once the kernel that wrote ``support`` finished (after the step's copy event). The
+    ids are expanded from the bitmap on the device and copied on a side stream: on the current
+    stream the copy would wait for the next step's forward pass that async scheduling has
+    already queued there, i.e. serialise the host with the GPU (measured: -30% decode throughput
+    with CUDA graphs when every step overflowed).
     """
+    counts = np.asarray(counts, dtype=np.int64)
+    starts = torch.from_numpy(np.cumsum(counts) - counts)
     index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-    if bits.device.type != "cuda":
-        return bits.index_select(0, index).numpy()
-    side = _SIDE_STREAMS.get(bits.device)
+    total = int(counts.sum())
+    device = support.packed.device
+    if device.type != "cuda":
+        return expand_rows(support, index, starts, total).numpy().astype("<i4").tobytes()
+    side = _SIDE_STREAMS.get(device)
     if side is None:
-        side = _SIDE_STREAMS[bits.device] = torch.cuda.Stream(bits.device)
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     with torch.cuda.stream(side):
-        selected = bits.index_select(0, index.to(bits.device, non_blocking=True))
-        host = selected.to("cpu", non_blocking=True)
+        ids = expand_rows(support, index.to(device, non_blocking=True),
+                          starts.to(device, non_blocking=True), total)
+        host = ids.to("cpu", non_blocking=True)
     side.synchronize()
-    return host.numpy()
+    return host.numpy().astype("<i4", copy=False).tobytes()
 
 
 @dataclass
 class DeviceStepMasks:
-    """One step's compaction on the device, kept alive until its host copy is consumed.
+    """One step's masks on the device, kept alive until its host copy is consumed.
 
-    ``overflow_expected`` is known on the host from the requests' top_k (some top_k exceeds the
-    width): the whole bitmap is then copied with the ids instead of being fetched afterwards.
     ``row_wants`` (``[R]`` bool, None: all rows) marks the rows whose requests want masks; the
-    others were compacted with the batch but are never read.
+    others were sampled with the batch but are never read.
     """
 
     support: CompactSupport
-    overflow_expected: bool
     row_wants: np.ndarray | None = None
 
     def copy_to_host_nonblocking(self) -> HostStepMasks:
-        """Issue device->host copies on the current stream (the caller's copy stream)."""
-        s = self.support
-        bits = s.bits.to("cpu", non_blocking=True) if self.overflow_expected else None
-        return HostStepMasks(packed=s.packed.to("cpu", non_blocking=True), bits=bits, device=self)
+        """Issue the device->host copy of ``packed`` on the current stream (the caller's copy
+        stream)."""
+        return HostStepMasks(packed=self.support.packed.to("cpu", non_blocking=True), device=self)
 
 
 @dataclass
@@ -106,55 +131,44 @@ class HostStepMasks:
     """Host tensors being filled by the async copy; read only after the copy event fired."""
 
     packed: torch.Tensor  # [R, 1 + W] int32: count, then ids (see CompactSupport)
-    bits: torch.Tensor | None
     device: DeviceStepMasks
 
     def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
-        """Every row's bytes; ``num_sampled`` ``[R]`` int, rows with 0 sampled tokens yield
-        ``b""``, rows of requests that opted out ``None``."""
+        """The step's rows; ``num_sampled`` ``[R]`` int, rows with 0 sampled tokens are empty,
+        rows of requests that opted out ``None``. Rows wider than W are expanded on the device
+        and copied in one piece (``expand_rows_to_host``)."""
         packed = self.packed.numpy().astype("<i4", copy=False)  # a view on little-endian hosts
         num_rows, row_words = packed.shape
         width = row_words - 1
-        counts = packed[:, 0].copy()
+        counts = packed[:, 0].astype(np.int64)
         counts[np.asarray(num_sampled[:num_rows]) == 0] = 0
         opted_out = None if self.device.row_wants is None else ~self.device.row_wants
         if opted_out is not None:
             counts[opted_out] = 0  # never read: any width, even the whole vocabulary
         overflow = np.flatnonzero(counts > width)
-        np.minimum(counts, width, out=counts)  # overflow rows are replaced below
         stride = 4 * row_words
-        starts = range(4, num_rows * stride, stride)  # byte offset of each row's first id
-        rows: list[bytes | None]
         if width <= WIDE_UNPACK_WIDTH:
-            # One copy of the whole buffer, then a bytes slice per row.
+            # One copy of the whole buffer; each row is sliced from it when handed out.
             blob = packed.tobytes()
-            rows = [blob[start : start + 4 * n] for start, n in zip(starts, counts.tolist())]
+            starts = np.arange(4, num_rows * stride, stride, dtype=np.int64)
         else:
             # Wide buffers (large top_k, top-p only) are mostly unused slots: copy only the ids.
+            narrow = np.minimum(counts, width)
             view = memoryview(packed).cast("B")
-            rows = [bytes(view[start : start + 4 * n]) for start, n in zip(starts, counts.tolist())]
+            blob = b"".join([view[start : start + 4 * n] for start, n in
+                             zip(range(4, num_rows * stride, stride), narrow.tolist())])
+            starts = 4 * (np.cumsum(narrow) - narrow)
         if overflow.size:
-            self._read_overflow_rows(rows, overflow)
+            if self.device.support.bits is None:
+                raise RuntimeError(f"rows {overflow.tolist()} have more ids than the width and no "
+                                   "bitmap. This is a bug in vllm-sampling-mask.")
+            wide_counts = counts[overflow]
+            starts[overflow] = len(blob) + 4 * (np.cumsum(wide_counts) - wide_counts)
+            blob += expand_rows_to_host(self.device.support, overflow, wide_counts)
+        ends = starts + 4 * counts
         if opted_out is not None:
-            for r in np.flatnonzero(opted_out).tolist():
-                rows[r] = None
-        return StepSamplingMasks(rows)
-
-    def _read_overflow_rows(self, rows: list[bytes | None], overflow: np.ndarray) -> None:
-        """Replace ``rows[r]`` for every ``r`` in ``overflow`` (rows wider than W) with its ids
-        read from the bitmap."""
-        vocab_size = self.device.support.vocab_size
-        if self.device.support.bits is None:
-            raise RuntimeError(f"rows {overflow.tolist()} have more ids than the width and no "
-                               "bitmap. This is a bug in vllm-sampling-mask.")
-        if self.bits is not None:
-            bits = self.bits.numpy()[overflow]
-        else:
-            # Rare (boundary ties wider than the width's slack): fetch only those rows.
-            bits = fetch_rows(self.device.support.bits, overflow)
-        for r, words in zip(overflow.tolist(), bits.view(np.uint8)):  # one row's bits at a time
-            kept = np.unpackbits(words, bitorder="little")[:vocab_size]
-            rows[r] = np.flatnonzero(kept).astype("<i4").tobytes()
+            starts[opted_out] = -1
+        return StepSamplingMasks(blob, starts.tolist(), ends.tolist())
 
 
 def tie_slack(top_k: int) -> int:
@@ -175,8 +189,7 @@ def compact_step(processed_logits: torch.Tensor, top_k_np: np.ndarray, max_width
         top_k_np = top_k_np[row_wants]  # opted-out rows (any top_k) don't set the width
     # The batch's largest top_k bounds every row except for ties at the top-k boundary. Those
     # are common (bf16 logits; an H200 engine at batch 256 had a row over top_k in 126 of 131
-    # steps), and a row over the width is read from the bitmap, so the width leaves room for them.
+    # steps), and a row over the width is expanded from the bitmap, so the width leaves room.
     max_top_k = int(top_k_np.max()) if top_k_np.size else 1
     width = max(1, min(max_top_k + tie_slack(max_top_k), processed_logits.shape[1], max_width))
-    support = compact_support(processed_logits, width)
-    return DeviceStepMasks(support, overflow_expected=max_top_k > width, row_wants=row_wants)
+    return DeviceStepMasks(compact_support(processed_logits, width), row_wants=row_wants)
