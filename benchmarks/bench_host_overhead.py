@@ -50,7 +50,8 @@ from typing import Any
 
 FULL_SIZE = dict(requests=512, vocab=151936, top_k=50, reps=200)
 SMALL_SIZE = dict(requests=16, vocab=4096, top_k=50, reps=20)
-TARGET_MS = 1.0  # per step, at 512 requests (issue 6)
+# Per step at 512 requests (issue 11), per process: the two run in parallel.
+TARGET_MS = {"engine_core": 0.1, "frontend": 0.5}
 
 
 class Stub(SimpleNamespace):
@@ -296,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "per_process_ms": per_process,
         "total_ms": total,
         "target_ms": TARGET_MS,
-        "target_met": total <= TARGET_MS if R >= FULL_SIZE["requests"] else None,
+        "target_met": ({name: per_process[name] <= limit for name, limit in TARGET_MS.items()}
+                       if R >= FULL_SIZE["requests"] else None),
     }
     print(table(report))
     if args.out:
@@ -367,13 +369,13 @@ def table(report: dict) -> str:
     lines += ["", f"wire bytes per step: {w['with_masks']:,} with masks, {w['stock']:,} stock", "",
               "| per step (median thread CPU time) | ms |", "|---|---:|"]
     lines += [f"| {name} | {value:.3f} |" for name, value in report["per_step_ms"].items()]
-    lines += [f"| subtotal {name} process | {value:.3f} |"
-              for name, value in report["per_process_ms"].items()]
     met = report["target_met"]
-    verdict = "n/a (fewer requests than the target's 512)" if met is None else (
-        "met" if met else "MISSED")
-    lines.append(f"| **total** | **{report['total_ms']:.3f}** (target <= {report['target_ms']} ms "
-                 f"at 512 requests: {verdict}) |")
+    for name, value in report["per_process_ms"].items():
+        verdict = "n/a at fewer than 512 requests" if met is None else (
+            "met" if met[name] else "MISSED")
+        lines.append(f"| subtotal {name} process | {value:.3f} (target <= "
+                     f"{report['target_ms'][name]} ms: {verdict}) |")
+    lines.append(f"| total | {report['total_ms']:.3f} |")
     return "\n".join(lines)
 
 
