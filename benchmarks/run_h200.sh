@@ -8,12 +8,13 @@
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh engine
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh http
 #
+#   jit       FlashInfer's JIT alone (the first call on a new machine, when verify is not run)
 #   verify    FlashInfer's JIT (sampling + top-k kernels: ~3-4 min on a new machine, cached in
 #             ~/.cache/flashinfer for the next calls), the MRV2 GPU tests, the compaction and
 #             host unpack at top_k 50 and with every row wider than the width cap    (~9 min)
 #   engine    stock / on / optout interleaved, compiled, 6 rounds                    (~6 min)
 #   logprobs  stock / on with logprobs=1, interleaved, compiled, 4 rounds            (~4 min)
-#   http      HTTP throughput at concurrency 1 and 64, compiled; host overhead; the V1-runner
+#   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled; the V1-runner
 #             GPU tests                                                              (~9 min)
 #   paths     step costs of the sampling paths                                      (~1 min)
 #
@@ -54,13 +55,20 @@ bench() {
 }
 
 compiled=(--no-enforce-eager)
-tests_path="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
-case "${1:-}" in
-  verify)
-    step flashinfer_jit 300 python3 -c "import torch, flashinfer; x = torch.randn(4, 151936, \
+tests_path="$PWD:$PWD/tests:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
+flashinfer_jit() {
+  step flashinfer_jit 300 python3 -c "import torch, flashinfer; x = torch.randn(4, 151936, \
 device='cuda'); flashinfer.top_k(x, 50, sorted=True, deterministic=True); \
 flashinfer.sampling.top_k_top_p_sampling_from_logits(x, torch.full((4,), 50, device='cuda', \
 dtype=torch.int32), torch.full((4,), 0.9, device='cuda')); print('flashinfer JIT done')"
+}
+
+case "${1:-}" in
+  jit)
+    flashinfer_jit
+    ;;
+  verify)
+    flashinfer_jit
     PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
       step gpu_tests 220 python3 -m pytest -q -s -m gpu tests/test_candidate_sampler.py \
       tests/test_compaction_kernel.py tests/test_gpu_engine.py
@@ -76,9 +84,9 @@ dtype=torch.int32), torch.full((4,), 0.9, device='cuda')); print('flashinfer JIT
       "${compiled[@]}" --reps 4 --logprobs 1
     ;;
   http)
+    bench bench_host_overhead host_overhead 60
     bench bench_http_throughput http 330 /root/models/qwen3-0.6b "${compiled[@]}" \
       --concurrency 1,64
-    bench bench_host_overhead host_overhead 60
     if [ -z "$small" ]; then
       PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
         step gpu_tests_v1 180 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
@@ -88,7 +96,7 @@ dtype=torch.int32), torch.full((4,), 0.9, device='cuda')); print('flashinfer JIT
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh verify|engine|logprobs|http|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|paths" >&2
     exit 2
     ;;
 esac

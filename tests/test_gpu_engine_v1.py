@@ -49,7 +49,7 @@ def build_llm(async_scheduling: bool):
                enable_prefix_caching=True, enable_chunked_prefill=True,
                max_num_batched_tokens=2048, max_num_seqs=NUM_REQUESTS, max_model_len=4096,
                num_gpu_blocks_override=1200, block_size=16, max_logprobs=80, seed=0,
-               gpu_memory_utilization=0.35,
+               gpu_memory_utilization=0.35, disable_log_stats=False,
                enforce_eager=os.environ.get("SAMPLING_MASK_GPU_EAGER", "1") == "1")
 
 

@@ -14,9 +14,11 @@ from vllm_sampling_mask.worker.sampler import (
     wrap_add_request,
     wrap_sample,
 )
+from vllm_sampling_mask.worker.compaction import CompactSupport
 from vllm_sampling_mask.worker.step_masks import (
     NO_MASKS_WANTED,
     WIDE_UNPACK_WIDTH,
+    DeviceStepMasks,
     expand_rows_to_host,
     tie_slack,
 )
@@ -122,8 +124,9 @@ def test_rows_wider_than_the_width_are_fetched_from_the_bitmap() -> None:
     assert np.frombuffer(ids, dtype="<i4").tolist() == list(range(100, 200)) + [0, 1, 2]
 
 
-def test_wide_buffers_unpack_by_row_slices_to_the_same_rows() -> None:
-    # A width above WIDE_UNPACK_WIDTH (large top_k, top-p only) takes the per-row unpack path.
+def test_wide_compaction_steps_copy_counts_and_expand_every_row() -> None:
+    # A compaction wider than WIDE_UNPACK_WIDTH (large top_k, top-p only) copies only the counts;
+    # every row is expanded from the bitmap, and the step's rows are views of that one buffer.
     generator = torch.Generator().manual_seed(0)
     logits = torch.full((4, 2000), float("-inf"))
     kept = [torch.randperm(2000, generator=generator)[:n] for n in (600, 1, 300, 450)]
@@ -132,11 +135,31 @@ def test_wide_buffers_unpack_by_row_slices_to_the_same_rows() -> None:
     capture = SamplingMaskCapture(max_width=4096, vocab_size=2000)
     step = capture.compact(logits, np.full(4, 600, dtype=np.int32))
     assert step.support.ids.shape[1] > WIDE_UNPACK_WIDTH
-    host = step.copy_to_host_nonblocking().unpack(np.array([1, 1, 0, 1]))  # row 2 sampled nothing
+    host = step.copy_to_host_nonblocking()
+    assert host.packed.shape == (4, 1)
+    rows = host.unpack(np.array([1, 1, 0, 1]))  # row 2 sampled nothing
     expected = [sorted(k.tolist()) for k in kept]
     expected[2] = []
-    assert [host.row(r).tolist() for r in range(4)] == expected
-    assert host.row_lengths() == [600, 1, 0, 450]
+    assert isinstance(rows.blob, memoryview)
+    assert [rows.row(r).tolist() for r in range(4)] == expected
+    assert rows.row_lengths() == [600, 1, 0, 450]
+    assert all(type(row) is bytes for row in rows.rows)
+
+
+def test_wide_candidate_steps_unpack_by_row_slices() -> None:
+    # The candidate sampler's rows (no bitmap) wider than WIDE_UNPACK_WIDTH: copied whole, each
+    # row's ids sliced out on the host.
+    width = WIDE_UNPACK_WIDTH + 44
+    packed = torch.full((3, 1 + width), -1, dtype=torch.int32)
+    lengths = [width, 0, 7]
+    for r, n in enumerate(lengths):
+        packed[r, 0] = n
+        packed[r, 1 : 1 + n] = torch.arange(n) * 3 + r
+    support = CompactSupport(packed, None, 5000)
+    rows = DeviceStepMasks(support, row_wants=np.array([True, True, False])
+                           ).copy_to_host_nonblocking().unpack(np.ones(3, dtype=np.int32))
+    assert rows.row(0).tolist() == [i * 3 for i in range(width)]
+    assert rows.row_bytes(1) == b"" and rows.row_bytes(2) is None  # row 2 opted out
 
 
 def test_steps_with_small_top_k_sample_with_the_candidates() -> None:

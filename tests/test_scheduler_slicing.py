@@ -493,9 +493,11 @@ def test_switch_off_outputs_carry_no_mask_and_are_otherwise_identical(
     assert on.requests == off.requests == {}
 
 
-def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig]) -> None:
+@pytest.mark.parametrize("view", [False, True], ids=["bytes", "memoryview"])
+def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig], view: bool) -> None:
     """A ``None`` row (the worker's mark for a request that opted out of masks) gives that
-    request's output no mask; the other request of the step keeps its row."""
+    request's output no mask; the other request of the step keeps its row, as bytes also when
+    the step's buffer is a view (rows expanded on the device)."""
     scheduler = build_scheduler(configs[True])
     add_request(scheduler, "a", 5, max_tokens=3)
     add_request(scheduler, "b", 5, max_tokens=3)
@@ -503,9 +505,12 @@ def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig]) ->
     model_runner_output = ModelRunnerOutput(
         req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[11], [12]]
     )
-    model_runner_output.sampling_masks = StepSamplingMasks.from_rows(
-        [np.array([3, 11], dtype="<i4").tobytes(), None])
+    step = StepSamplingMasks.from_rows([np.array([3, 11], dtype="<i4").tobytes(), None])
+    if view:
+        step.blob = memoryview(bytearray(step.blob))
+    model_runner_output.sampling_masks = step
     outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
     by_id = {o.request_id: o for o in outputs[0].outputs}
+    assert type(by_id["a"].sampling_mask) is bytes
     assert by_id["a"].sampling_mask == np.array([3, 11], dtype="<i4").tobytes()
     assert by_id["b"].sampling_mask is None

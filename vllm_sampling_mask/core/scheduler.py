@@ -63,7 +63,11 @@ def wrap_update_from_output(original: Any) -> Any:
                 if num_new == 1 and step_problem is None:
                     r = index[output.request_id]
                     start = starts[r]
-                    output.sampling_mask = None if start < 0 else blob[start : ends[r]]
+                    if start < 0:
+                        output.sampling_mask = None
+                    else:
+                        row = blob[start : ends[r]]  # a memoryview slice after a device expansion
+                        output.sampling_mask = row if row.__class__ is bytes else bytes(row)
                     continue
                 problem = step_problem or f"the step produced {num_new} tokens for it but one row"
                 logger.error("sampling masks lost for request %s: %s; the request is finished "

@@ -16,7 +16,8 @@ class StepSamplingMasks:
     """The kept ids of every row (request) of one step, on the host.
 
     blob: every row's ascending kept ids as little-endian int32 (the wire format of one
-          output's row), with unused bytes between rows.
+          output's row), with unused bytes between rows; a ``memoryview`` of the host copy when
+          the step's rows were expanded on the device (its rows are copied out one by one).
     starts, ends: ``R`` byte offsets each: row ``r`` is ``blob[starts[r]:ends[r]]`` (``4 * n``
           bytes for ``n`` ids; empty for rows that sampled nothing: partial prefill chunks);
           ``starts[r] == -1`` for requests that opted out of masks.
@@ -24,7 +25,7 @@ class StepSamplingMasks:
     one bytes object per output and no decoding.
     """
 
-    blob: bytes
+    blob: bytes | memoryview
     starts: list[int]
     ends: list[int]
 
@@ -44,7 +45,7 @@ class StepSamplingMasks:
     def row_bytes(self, index: int) -> bytes | None:
         """Row ``index`` as wire bytes (``None``: opted out)."""
         start = self.starts[index]
-        return None if start < 0 else self.blob[start : self.ends[index]]
+        return None if start < 0 else bytes(self.blob[start : self.ends[index]])
 
     @property
     def rows(self) -> list[bytes | None]:
@@ -81,9 +82,10 @@ WIDE_UNPACK_WIDTH = 256
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def expand_rows_to_host(support: CompactSupport, rows: np.ndarray, counts: np.ndarray) -> bytes:
-    """Every kept id of ``rows`` (``[n]`` int, with ``counts`` ``[n]`` ids each) as one bytes
-    object: each row's ids ascending (little-endian int32), row after row.
+def expand_rows_to_host(support: CompactSupport, rows: np.ndarray,
+                        counts: np.ndarray) -> np.ndarray:
+    """Every kept id of ``rows`` (``[n]`` int, with ``counts`` ``[n]`` ids each) as one
+    ``[sum(counts)]`` little-endian int32 host array: each row's ids ascending, row after row.
 
     Call only once the kernel that wrote ``support`` finished (after the step's copy event). The
     ids are expanded from the bitmap on the device and copied on a side stream: on the current
@@ -97,7 +99,7 @@ def expand_rows_to_host(support: CompactSupport, rows: np.ndarray, counts: np.nd
     total = int(counts.sum())
     device = support.packed.device
     if device.type != "cuda":
-        return expand_rows(support, index, starts, total).numpy().astype("<i4").tobytes()
+        return expand_rows(support, index, starts, total).numpy().astype("<i4", copy=False)
     side = _SIDE_STREAMS.get(device)
     if side is None:
         side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
@@ -106,7 +108,7 @@ def expand_rows_to_host(support: CompactSupport, rows: np.ndarray, counts: np.nd
                           starts.to(device, non_blocking=True), total)
         host = ids.to("cpu", non_blocking=True)
     side.synchronize()
-    return host.numpy().astype("<i4", copy=False).tobytes()
+    return host.numpy().astype("<i4", copy=False)
 
 
 @dataclass
@@ -122,15 +124,20 @@ class DeviceStepMasks:
 
     def copy_to_host_nonblocking(self) -> HostStepMasks:
         """Issue the device->host copy of ``packed`` on the current stream (the caller's copy
-        stream)."""
-        return HostStepMasks(packed=self.support.packed.to("cpu", non_blocking=True), device=self)
+        stream). A compaction wider than ``WIDE_UNPACK_WIDTH`` (top_k above it, top-p only)
+        copies only the counts: its rows are expanded on the device when unpacked, which copies
+        exactly their ids instead of mostly unused slots and needs no host-side joining."""
+        packed = self.support.packed
+        if self.support.bits is not None and packed.shape[1] - 1 > WIDE_UNPACK_WIDTH:
+            packed = packed[:, :1]  # [R, 1]: width 0, every row with ids is expanded
+        return HostStepMasks(packed=packed.to("cpu", non_blocking=True), device=self)
 
 
 @dataclass
 class HostStepMasks:
     """Host tensors being filled by the async copy; read only after the copy event fired."""
 
-    packed: torch.Tensor  # [R, 1 + W] int32: count, then ids (see CompactSupport)
+    packed: torch.Tensor  # [R, 1 + W] int32: count, then ids (see CompactSupport); W may be 0
     device: DeviceStepMasks
 
     def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
@@ -150,7 +157,7 @@ class HostStepMasks:
         if width <= WIDE_UNPACK_WIDTH:
             # One copy of the whole buffer; each row is sliced from it when handed out.
             blob = packed.tobytes()
-            starts = np.arange(4, num_rows * stride, stride, dtype=np.int64)
+            starts = 4 + stride * np.arange(num_rows, dtype=np.int64)
         else:
             # Wide buffers (large top_k, top-p only) are mostly unused slots: copy only the ids.
             narrow = np.minimum(counts, width)
@@ -163,8 +170,12 @@ class HostStepMasks:
                 raise RuntimeError(f"rows {overflow.tolist()} have more ids than the width and no "
                                    "bitmap. This is a bug in vllm-sampling-mask.")
             wide_counts = counts[overflow]
-            starts[overflow] = len(blob) + 4 * (np.cumsum(wide_counts) - wide_counts)
-            blob += expand_rows_to_host(self.device.support, overflow, wide_counts)
+            ids = expand_rows_to_host(self.device.support, overflow, wide_counts)
+            if width == 0:  # counts-only copy: every row is in ids (a view, no step-sized copy)
+                blob, base = memoryview(ids).cast("B"), 0
+            else:
+                blob, base = b"".join((blob, ids)), len(blob)
+            starts[overflow] = base + 4 * (np.cumsum(wide_counts) - wide_counts)
         ends = starts + 4 * counts
         if opted_out is not None:
             starts[opted_out] = -1
