@@ -1,4 +1,5 @@
-"""Host side of one step's masks: device results -> async copy -> one int32 bytes row per request."""
+"""Host side of one step's masks: device results -> async copy -> one host buffer of every
+request's row (int32 ids) with per-row offsets."""
 
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ class NoStepMasks:
 NO_MASKS_WANTED = NoStepMasks()
 
 
-# Up to this width, unpacking copies the whole [R, 1 + W] buffer once and slices each row's bytes
-# from it; wider buffers copy only each row's ids (the whole copy would move mostly unused slots).
+# Up to this width the host takes the whole [R, 1 + W] buffer as it is and rows are sliced from
+# it. A wider compaction copies only its counts and expands the rows on the device; a wider
+# candidate buffer (top_k in (256, 1024]) is copied whole, each row's ids joined on the host.
 WIDE_UNPACK_WIDTH = 256
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
