@@ -337,8 +337,19 @@ def run_config(timer: Timer, args: argparse.Namespace, batch: int, vocab: int, t
             break
     result.update(copy_ms=copy["ms"], unpack_ms=statistics.median(unpack_times),
                   unpack_reps=len(unpack_times),
-                  copied_bytes=4 * batch * (width + 1 + (kept if overflow else 0)))
+                  copied_bytes=copied_bytes(batch, width, kept, overflow))
     return result
+
+
+def copied_bytes(batch: int, width: int, kept: int, overflow: bool) -> int:
+    """Bytes the host receives per step: ``[B, 1 + W]`` int32, then the expanded ids of the rows
+    wider than W; a compaction wider than ``WIDE_UNPACK_WIDTH`` copies only its counts and
+    expands every row."""
+    from vllm_sampling_mask.worker.step_masks import WIDE_UNPACK_WIDTH
+
+    if width > WIDE_UNPACK_WIDTH:
+        return 4 * batch * (1 + kept)
+    return 4 * batch * (1 + width + (kept if overflow else 0))
 
 
 def per_kernel_device_us(timer: Timer, fn: Callable[[], Any], reps: int) -> dict[str, float]:
