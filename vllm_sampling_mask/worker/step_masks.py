@@ -161,7 +161,8 @@ class HostStepMasks:
             blob = packed.tobytes()
             starts = 4 + stride * np.arange(num_rows, dtype=np.int64)
         else:
-            # Wide buffers (large top_k, top-p only) are mostly unused slots: copy only the ids.
+            # A wide candidate buffer (top_k in (256, 1024]) is mostly slots past each row's
+            # top-p cut: copy only the ids.
             narrow = np.minimum(counts, width)
             view = memoryview(packed).cast("B")
             blob = b"".join([view[start : start + 4 * n] for start, n in
