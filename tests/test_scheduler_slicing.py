@@ -514,3 +514,22 @@ def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig], vi
     assert type(by_id["a"].sampling_mask) is bytes
     assert by_id["a"].sampling_mask == np.array([3, 11], dtype="<i4").tobytes()
     assert by_id["b"].sampling_mask is None
+
+
+def test_a_step_no_request_wants_masks_for_gets_vllms_own_outputs(
+        configs: dict[bool, VllmConfig]) -> None:
+    """Every request of the step opted out (the worker's ``NoStepMasks``): the outputs are vLLM's
+    own class, so they cost and encode exactly as on a stock engine."""
+    from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED
+
+    scheduler = build_scheduler(configs[True])
+    add_request(scheduler, "a", 5, max_tokens=3)
+    add_request(scheduler, "b", 5, max_tokens=3)
+    scheduler_output = scheduler.schedule()
+    model_runner_output = ModelRunnerOutput(
+        req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[11], [12]]
+    )
+    model_runner_output.sampling_masks = NO_MASKS_WANTED.unpack(np.ones(2, dtype=np.int32))
+    outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+    assert [type(o) for o in outputs[0].outputs] == [EngineCoreOutput, EngineCoreOutput]
+    assert [o.new_token_ids for o in outputs[0].outputs] == [[11], [12]]

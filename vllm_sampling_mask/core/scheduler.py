@@ -40,7 +40,9 @@ def wrap_update_from_output(original: Any) -> Any:
 
     A step whose rows can't be matched with its tokens (no rows, a row count other than the
     batch's, several tokens for one request) is a bug; it fails only the requests that got a
-    token in it (``fail_output``: vLLM's per-request error, logged), never the engine.
+    token in it (``fail_output``: vLLM's per-request error, logged), never the engine. A step in
+    which no request wants masks gets vLLM's own outputs, at stock's cost: none of its requests
+    has a row list in the frontend.
     """
     from vllm.v1.request import RequestStatus
 
@@ -48,9 +50,11 @@ def wrap_update_from_output(original: Any) -> Any:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         if not self.__dict__.get("sampling_mask_enabled"):
             return original(self, scheduler_output, model_runner_output)
+        step = getattr(model_runner_output, "sampling_masks", None)
+        if step is not None and step.none_wanted:
+            return original(self, scheduler_output, model_runner_output)
         with outputs_carry_masks():
             outputs = original(self, scheduler_output, model_runner_output)
-        step = getattr(model_runner_output, "sampling_masks", None)
         index = model_runner_output.req_id_to_index
         step_problem = _step_problem(step, len(model_runner_output.req_ids))
         if step_problem is None:

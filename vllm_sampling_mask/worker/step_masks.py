@@ -22,6 +22,8 @@ class StepSamplingMasks:
     starts, ends: ``R`` byte offsets each: row ``r`` is ``blob[starts[r]:ends[r]]`` (``4 * n``
           bytes for ``n`` ids; empty for rows that sampled nothing: partial prefill chunks);
           ``starts[r] == -1`` for requests that opted out of masks.
+    none_wanted: no request of the step wants masks (every row opted out): the scheduler hands
+          out vLLM's outputs as they are.
     The engine core slices each output's row from the blob as it hands it out, so a step costs
     one bytes object per output and no decoding.
     """
@@ -29,6 +31,7 @@ class StepSamplingMasks:
     blob: bytes | memoryview
     starts: list[int]
     ends: list[int]
+    none_wanted: bool = False
 
     @classmethod
     def from_rows(cls, rows: Sequence[bytes | None]) -> StepSamplingMasks:
@@ -70,7 +73,8 @@ class NoStepMasks:
 
     def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
         """Every row opted out (``num_sampled`` ``[R]``)."""
-        return StepSamplingMasks(b"", [-1] * len(num_sampled), [-1] * len(num_sampled))
+        return StepSamplingMasks(b"", [-1] * len(num_sampled), [-1] * len(num_sampled),
+                                 none_wanted=True)
 
 
 NO_MASKS_WANTED = NoStepMasks()
