@@ -55,32 +55,48 @@ def wrap_update_from_output(original: Any) -> Any:
             return original(self, scheduler_output, model_runner_output)
         with outputs_carry_masks():
             outputs = original(self, scheduler_output, model_runner_output)
-        index = model_runner_output.req_id_to_index
         step_problem = _step_problem(step, len(model_runner_output.req_ids))
         if step_problem is None:
-            blob, starts, ends = step.blob, step.starts, step.ends
-        for engine_core_outputs in outputs.values():
-            for output in engine_core_outputs.outputs:
-                num_new = len(output.new_token_ids)
-                if num_new == 0:
-                    continue  # no token (stale frame, finish only): its row, if any, has none
-                if num_new == 1 and step_problem is None:
-                    r = index[output.request_id]
-                    start = starts[r]
-                    if start < 0:
-                        output.sampling_mask = None
-                    else:
-                        row = blob[start : ends[r]]  # a memoryview slice after a device expansion
-                        output.sampling_mask = row if row.__class__ is bytes else bytes(row)
-                    continue
-                problem = step_problem or f"the step produced {num_new} tokens for it but one row"
-                logger.error("sampling masks lost for request %s: %s; the request is finished "
-                             "with an error. %s", output.request_id, problem, MASK_BUG_HINT)
-                self.finish_requests(output.request_id, RequestStatus.FINISHED_ERROR)
-                fail_output(output)
+            failed = _hand_out_rows(outputs, step, model_runner_output.req_id_to_index)
+        else:
+            failed = [output for engine_core_outputs in outputs.values()
+                      for output in engine_core_outputs.outputs if output.new_token_ids]
+        for output in failed:
+            problem = (step_problem or
+                       f"the step produced {len(output.new_token_ids)} tokens for it but one row")
+            logger.error("sampling masks lost for request %s: %s; the request is finished "
+                         "with an error. %s", output.request_id, problem, MASK_BUG_HINT)
+            self.finish_requests(output.request_id, RequestStatus.FINISHED_ERROR)
+            fail_output(output)
         return outputs
 
     return update_from_output
+
+
+def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks,
+                   index: dict[str, int]) -> list[Any]:
+    """Set ``sampling_mask`` of every output with one new token to its row's bytes (``None``
+    for a request that opted out): the hot loop of a mask engine's engine core, one pass and one
+    bytes object per output. Returns the outputs with several tokens (a bug: one row each)."""
+    blob, starts, ends = step.blob, step.starts, step.ends
+    sliced_from_view = blob.__class__ is not bytes  # rows expanded on the device
+    several: list[Any] = []
+    for engine_core_outputs in outputs.values():
+        for output in engine_core_outputs.outputs:
+            num_new = len(output.new_token_ids)
+            if num_new != 1:
+                if num_new:
+                    several.append(output)
+                continue  # no token (stale frame, finish only): no row
+            r = index[output.request_id]
+            start = starts[r]
+            if start < 0:
+                output.sampling_mask = None
+            elif sliced_from_view:
+                output.sampling_mask = bytes(blob[start : ends[r]])
+            else:
+                output.sampling_mask = blob[start : ends[r]]
+    return several
 
 
 def _step_problem(step: StepSamplingMasks | None, num_batch_rows: int) -> str | None:

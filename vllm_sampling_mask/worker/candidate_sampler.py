@@ -119,13 +119,27 @@ def _sample_candidates_kernel(
         tl.store(processed_ptr + row * processed_stride + ids, values, mask=kept)
 
 
+# FlashInfer's radix row-state scratch (zeroed once; the kernel leaves it zeroed), by device.
+_RADIX_ROW_STATES_BYTES = 1 << 20
+_radix_row_states: dict[torch.device, torch.Tensor] = {}
+
+
 @functools.cache
-def _flashinfer_top_k() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+def _flashinfer_radix_top_k() -> Callable[..., None] | None:
+    """FlashInfer's compiled radix top-k (``radix_topk(input, ids_out int32, values_out,
+    row_states, k, sorted, deterministic, tie_break, dsa_graph_safe)``), or None without it.
+
+    Called directly rather than through ``flashinfer.top_k``, whose wrapper (a torch custom op,
+    a device query, an int32 -> int64 copy of the ids) costs more host time on every step than
+    the kernel call itself; the candidate kernel reads int32 ids as they are. Any mismatch with the installed
+    FlashInfer raises at the engine's probe call (``attach_capture``), which falls back to
+    ``torch.topk``.
+    """
     try:
-        from flashinfer import top_k
+        from flashinfer.jit.topk import gen_topk_module
     except ImportError:
         return None
-    return top_k
+    return gen_topk_module().build_and_load().radix_topk
 
 
 _torch_top_k_only = False  # set by use_torch_top_k
@@ -139,18 +153,28 @@ def use_torch_top_k() -> None:
 
 
 def top_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values [R, k], ids [R, k] int64)``: each row's ``k`` largest logits, descending.
+    """``(values [R, k], ids [R, k])``: each row's ``k`` largest logits, descending; ids int32
+    from FlashInfer, int64 from ``torch.topk``.
 
-    On CUDA with FlashInfer (a requirement of vLLM 0.26) its radix top-k, deterministic (the
-    same input gives the same ids in the same order, ties included); elsewhere ``torch.topk``.
-    H200, 151936 ids, k 50: ``torch.topk`` costs ~20 launches (86 us of host time at one row)
-    and 0.6 ms of device time at 256 rows, FlashInfer's 0.17 ms (benchmarks/bench_sampler_paths.py).
+    On CUDA with FlashInfer (a requirement of vLLM 0.26) its radix top-k, sorted and
+    deterministic (the same input gives the same ids in the same order, ties included);
+    elsewhere ``torch.topk`` (several launches and ~4x the device time at 151936 ids:
+    docs/benchmarks.md). ``logits`` must be contiguous.
     """
-    flashinfer_top_k = (_flashinfer_top_k() if logits.is_cuda and not _torch_top_k_only
-                        else None)
-    if flashinfer_top_k is None:
+    radix_top_k = (_flashinfer_radix_top_k() if logits.is_cuda and not _torch_top_k_only
+                   else None)
+    if radix_top_k is None:
         return torch.topk(logits, k, dim=1)
-    return flashinfer_top_k(logits, k, sorted=True, deterministic=True)
+    device = logits.device
+    row_states = _radix_row_states.get(device)
+    if row_states is None:
+        row_states = _radix_row_states[device] = torch.zeros(
+            _RADIX_ROW_STATES_BYTES, dtype=torch.uint8, device=device)
+    num_rows = logits.shape[0]
+    values = torch.empty((num_rows, k), dtype=logits.dtype, device=device)
+    ids = torch.empty((num_rows, k), dtype=torch.int32, device=device)
+    radix_top_k(logits, ids, values, row_states, k, True, True, 0, False)
+    return values, ids
 
 
 def sample_from_candidates(
