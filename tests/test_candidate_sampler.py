@@ -10,6 +10,7 @@ from vllm_sampling_mask.worker.candidate_sampler import (
     MAX_CANDIDATES,
     kept_candidates_reference,
     sample_from_candidates,
+    top_candidates,
 )
 
 DEVICES = [pytest.param("cpu", id="interpreter"),
@@ -117,3 +118,21 @@ def test_candidate_count_bounds(device: str) -> None:
             num_candidates=MAX_CANDIDATES + 1)
     empty = run(logits[:0], [5], [1.0], num_candidates=5)
     assert empty.packed.shape == (0, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_flashinfer_candidates_match_torch_topk(dtype: torch.dtype) -> None:
+    """On CUDA the candidates come from FlashInfer's compiled radix top-k called directly: the
+    same values as ``torch.topk``, descending, each id pointing at its value, repeatable."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    logits = torch.randn(64, 151936, device="cuda").to(dtype)
+    logits[:, 7] = logits[:, 11] = logits[:, 13] = 9.0  # ties at the top
+    values, ids = top_candidates(logits, 50)
+    expected, _ = torch.topk(logits, 50, dim=1)
+    assert ids.dtype == torch.int32, "the radix top-k was not used (torch.topk gives int64)"
+    assert torch.equal(values, expected)
+    assert torch.equal(logits.gather(1, ids.long()), values)
+    again_values, again_ids = top_candidates(logits, 50)
+    assert torch.equal(again_ids, ids) and torch.equal(again_values, values)
