@@ -10,6 +10,9 @@ from collections.abc import Sequence
 import numpy as np
 
 
+_new_object = object.__new__
+
+
 class SamplingMask:
     """The kept support of every generated token of one completion.
 
@@ -39,6 +42,15 @@ class SamplingMask:
         both later are part of the mask."""
         mask = cls.__new__(cls)
         mask._rows, mask._row_lengths, mask._blob = None, row_lengths, blob
+        return mask
+
+    @classmethod
+    def from_wire_row(cls, row: bytes) -> SamplingMask:
+        """One row (``from_wire((len(row) // 4,), row)``), the mask of every streamed token:
+        built without the general path's calls, since the frontend builds one per request per
+        step."""
+        mask = _new_object(cls)
+        mask._rows, mask._row_lengths, mask._blob = None, (len(row) >> 2,), row
         return mask
 
     @classmethod

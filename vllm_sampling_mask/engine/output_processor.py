@@ -153,7 +153,11 @@ def wrap_process_outputs(original: Any) -> Any:
             num_new = len(output.new_token_ids)
             if row is not None:
                 if num_new == 1:
-                    holder.append(row)
+                    pending = holder.pending
+                    if pending is None:
+                        holder.append(row)
+                    else:
+                        pending.append(row)  # a streamed row (every step): no method call
                     continue
             elif num_new == 0:
                 continue
@@ -188,7 +192,7 @@ def wrap_new_completion_output(original: Any) -> Any:
         if pending is not None and num_tokens == 1 == len(pending):
             # A streamed token (every step of every streaming request): its row as it came.
             row = pending.pop()
-            completion.sampling_mask = SamplingMask.from_wire((len(row) >> 2,), row)
+            completion.sampling_mask = SamplingMask.from_wire_row(row)
             return completion
         if self.output_kind is not cumulative:
             # DELTA: the new tokens' rows; FINAL_ONLY: all rows (built once, at the end).

@@ -26,7 +26,7 @@ from vllm_sampling_mask.outputs import SamplingMask
 def rows_mask(rows: list[bytes]) -> SamplingMask:
     """The ``SamplingMask`` of wire rows (one per token, in order), undecoded."""
     if len(rows) == 1:  # a streamed token: no join
-        return SamplingMask.from_wire([len(rows[0]) >> 2], rows[0])
+        return SamplingMask.from_wire_row(rows[0])
     return SamplingMask.from_wire([len(row) >> 2 for row in rows], b"".join(rows))
 
 
