@@ -29,6 +29,15 @@ def test_rows_and_csr_agree(make) -> None:
     assert mask == SamplingMask(ROWS) and mask != SamplingMask(ROWS[:2])
 
 
+@pytest.mark.parametrize("row", ROWS, ids=["three", "empty", "one"])
+def test_a_single_wire_row(row: list[int]) -> None:
+    mask = SamplingMask.from_wire_row(np.array(row, dtype="<i4").tobytes())
+    assert len(mask) == 1
+    assert mask.csr()[0].tolist() == [len(row)] and mask.csr()[1].tolist() == row
+    assert mask.token_ids == [row]
+    assert pickle.loads(pickle.dumps(mask)) == mask
+
+
 def test_concat_stays_undecoded_and_mixes_with_lists() -> None:
     joined = SamplingMask.concat([wire(ROWS[:1]), wire(ROWS[1:])])
     assert joined.csr()[0].tolist() == [3, 0, 1]
