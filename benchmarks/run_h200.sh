@@ -60,9 +60,13 @@ tests_path="$PWD:$PWD/tests:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
 # FlashInfer's JIT cache (~25 MB of kernels built with the machine's nvcc) is valid on every
 # machine of this kind: `jit` also leaves it in $out as parts of <= 15 MB. Copied into a
 # git-ignored .vstage4/ here and carried (alone: the carry limit is 64 MiB), it is unpacked
-# before any group, which turns the ~4 min JIT step into a cache hit.
+# before any group, meant to turn the ~4 min JIT step into a cache hit. The unpacked files are
+# touched: FlashInfer's ninja build rebuilds any object older than its sources, which setup.sh
+# installed at this machine's time (a first try without the touch, 2026-12-01, still compiled).
+# Not yet seen working on a new machine.
 if compgen -G ".vstage4/flashinfer_jit.tgz.part-*" > /dev/null; then
   mkdir -p ~/.cache && cat .vstage4/flashinfer_jit.tgz.part-* | tar xzf - -C ~/.cache \
+    && find ~/.cache/flashinfer -type f -exec touch {} + \
     && echo "== flashinfer JIT cache unpacked from .vstage4"
 fi
 
