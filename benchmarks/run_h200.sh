@@ -62,7 +62,8 @@ tests_path="$PWD:$PWD/tests:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
 # git-ignored .vstage4/ here and carried (alone: the carry limit is 64 MiB), it is unpacked
 # before any group, meant to turn the ~4 min JIT step into a cache hit. The unpacked files are
 # touched: FlashInfer's ninja build rebuilds any object older than its sources, which setup.sh
-# installed at this machine's time (a first try without the touch, 2026-12-01, still compiled).
+# installed at this machine's time (a first try without the touch, 2026-12-01: the host-overhead
+# benchmark sat silent for its whole 200 s limit after import, as a JIT build does).
 # Not yet seen working on a new machine.
 if compgen -G ".vstage4/flashinfer_jit.tgz.part-*" > /dev/null; then
   mkdir -p ~/.cache && cat .vstage4/flashinfer_jit.tgz.part-* | tar xzf - -C ~/.cache \
