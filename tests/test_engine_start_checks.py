@@ -87,9 +87,26 @@ def test_logprobs_mode_other_than_processed_is_rejected(tiny_model_dir: str) -> 
         engine_config(tiny_model_dir, logprobs_mode="raw_logprobs")
 
 
-def test_speculative_decoding_is_rejected(tiny_model_dir: str) -> None:
-    with pytest.raises(ValueError, match=r"speculative decoding.*'ngram'"):
-        engine_config(tiny_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+
+
+def test_speculative_decoding_on_the_v1_runner_is_accepted(tiny_model_dir: str) -> None:
+    config = engine_config(tiny_model_dir, speculative_config=NGRAM)
+    assert config.speculative_config.method == "ngram" and not config.use_v2_model_runner
+
+
+def test_speculative_decoding_on_model_runner_v2_is_rejected(
+        tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.config import VllmConfig
+
+    from vllm_sampling_mask.engine.arg_utils import check_vllm_config
+
+    config = engine_config(tiny_model_dir, speculative_config=NGRAM)
+    # As an EAGLE / MTP config runs (this tiny model has no draft head to build one with).
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
+    with pytest.raises(ValueError, match=r"speculative decoding on Model Runner V2.*'ngram'"
+                                         r".*VLLM_USE_V2_MODEL_RUNNER=0"):
+        check_vllm_config(config)
 
 
 def test_diffusion_models_are_rejected(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:

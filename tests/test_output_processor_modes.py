@@ -22,7 +22,7 @@ from vllm.v1.engine import EngineCoreRequest, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector, RequestState
 from vllm.v1.engine.parallel_sampling import ParentRequest
 
-from vllm_builders import engine_core_output, engine_core_request, sampling_params
+from vllm_builders import engine_core_output, engine_core_request, mask_row, sampling_params
 from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask
 
 DELTA = RequestOutputKind.DELTA
@@ -486,6 +486,37 @@ def test_an_output_whose_rows_dont_match_its_tokens_fails_that_request_only(
     assert_aligned(completion)
     first = 2 if kind == DELTA else 0
     assert completion.sampling_mask.token_ids == engine.sent_rows["b"][first:]
+
+
+@pytest.mark.parametrize("kind", [FINAL_ONLY, CUMULATIVE, DELTA], ids=str)
+def test_a_speculative_steps_tokens_bring_one_row_each(
+    tokenizer: TokenizerLike, text_tokens: list[int], kind: RequestOutputKind
+) -> None:
+    """Outputs with several tokens and their list of rows (speculative decoding) grow the rows
+    in lock step, in every output kind; a list one row short fails that request only."""
+    processor = make_processor(tokenizer)
+    add(processor, "a", kind)
+    add(processor, "b", kind)
+    steps = [text_tokens[0:3], text_tokens[3:4], text_tokens[4:6]]
+    rows = [[[t, 5000 + t] for t in tokens] for tokens in steps]
+    delivered = []
+    for i, (tokens, step_rows) in enumerate(zip(steps, rows)):
+        output = engine_core_output("a", tokens,
+                                    finish_reason=FinishReason.LENGTH if i == 2 else None)
+        output.sampling_mask = ([mask_row(r) for r in step_rows] if len(tokens) > 1
+                                else mask_row(step_rows[0]))
+        delivered += [c for o in process(processor, output) for c in o.outputs]
+    bad = engine_core_output("b", text_tokens[0:2])
+    bad.sampling_mask = [mask_row([text_tokens[0]])]
+    (failed,) = process(processor, bad)
+    assert failed.outputs[0].finish_reason == "error"
+    all_rows = [row for step_rows in rows for row in step_rows]
+    if kind is DELTA:
+        assert [c.sampling_mask.token_ids for c in delivered] == rows
+    else:
+        assert delivered[-1].sampling_mask.token_ids == all_rows
+    for completion in delivered:
+        assert_aligned(completion)
 
 
 def test_opted_out_request_keeps_vllms_state_and_gets_no_mask(

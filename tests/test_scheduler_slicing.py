@@ -430,8 +430,9 @@ def test_a_row_count_other_than_the_batch_fails_the_steps_requests(
 def test_more_than_one_token_per_step_fails_that_request_only(
     configs: dict[bool, VllmConfig]
 ) -> None:
-    """Two tokens for one request in one step (speculative decoding, refused at start-up) would
-    need one row per token: that request fails; the other of the step keeps its row."""
+    """Two tokens for one request in a step with one row per request (only a speculative step
+    carries several, in row groups) would need one row per token: that request fails; the other
+    of the step keeps its row."""
     scheduler = build_scheduler(configs[True])
     add_request(scheduler, "a", 5, max_tokens=3)
     add_request(scheduler, "b", 5, max_tokens=3)
@@ -444,6 +445,33 @@ def test_more_than_one_token_per_step_fails_that_request_only(
     assert_failed_alone(outputs, scheduler, "a")
     assert (outputs["b"].new_token_ids, mask_of(outputs["b"])) == ([21], [[21, 22]])
     assert scheduler.requests["b"].status == RequestStatus.RUNNING
+
+
+def test_a_speculative_step_gives_each_output_a_prefix_of_its_row_group(
+    configs: dict[bool, VllmConfig]
+) -> None:
+    """Row groups (draft rows, then the bonus row): ``a`` kept 2 of its 3 positions' tokens and
+    gets their 2 rows as a list; ``b`` one token, one row, as in a plain step; ``c``
+    opted out (no row); ``d`` has more tokens than rows: it fails alone."""
+    scheduler = build_scheduler(configs[True])
+    for req_id in "abcd":
+        add_request(scheduler, req_id, 5, max_tokens=8)
+    scheduler_output = scheduler.schedule()
+    model_runner_output = ModelRunnerOutput(
+        req_ids=list("dcba"), req_id_to_index={r: i for i, r in enumerate("dcba")},
+        sampled_token_ids=[[41, 42, 43], [31, 32], [21], [11, 12]])
+    # One row per position, by batch row (d: 1, c: 2, opted out, b: 2, a: 3).
+    rows = [[41, 5], None, None, [21, 7], [22], [11, 1, 2], [12], [13, 3]]
+    step = StepSamplingMasks.from_rows(
+        [None if row is None else np.asarray(row, dtype="<i4").tobytes() for row in rows])
+    step.groups = [0, 1, 3, 5, 8]
+    model_runner_output.sampling_masks = step
+    outputs = update(scheduler, scheduler_output, model_runner_output)
+    a = outputs["a"]
+    assert a.new_token_ids == [11, 12] and rows_mask(a.sampling_mask).token_ids == [[11, 1, 2], [12]]
+    assert (outputs["b"].new_token_ids, mask_of(outputs["b"])) == ([21], [[21, 7]])
+    assert outputs["c"].new_token_ids == [31, 32] and outputs["c"].sampling_mask is None
+    assert_failed_alone(outputs, scheduler, "d")
 
 
 def _script_scenario(scheduler: Scheduler, runner: FakeRunner) -> Iterator[Outputs]:

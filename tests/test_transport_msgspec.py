@@ -131,6 +131,19 @@ def test_masks_survive_out_of_band_buffers() -> None:
                                   output.new_logprobs.logprob_token_ids)
 
 
+def test_a_speculative_outputs_rows_travel_as_a_list() -> None:
+    """Several new tokens (a speculative step): one row each, as a msgpack array of bin rows;
+    a one-token output beside it keeps the single-row form."""
+    several = engine_core_output("r", [6, 7, 8])
+    several.sampling_mask = [mask_row([1, 6]), mask_row([7]), mask_row([2, 8, INT32_MAX])]
+    single = engine_core_output("s", [9], [9, 10])
+    received = round_trip(EngineCoreOutputs(outputs=[several, single]),
+                          core_client.EngineCoreOutputs).outputs
+    assert received == [several, single]
+    assert rows_mask(received[0].sampling_mask).token_ids == [[1, 6], [7], [2, 8, INT32_MAX]]
+    assert isinstance(received[1].sampling_mask, bytes)
+
+
 def test_vllm_original_decoder_drops_masks() -> None:
     """Why the client binding is patched: decoded with vLLM's own ``EngineCoreOutputs`` the
     trailing mask element is silently ignored, everything else decodes as before."""

@@ -124,7 +124,7 @@ class FakeRunner:
         mask = np.zeros(8, dtype=bool)
         mask[: len(discard)] = discard
         self.discard_request_mask = SimpleNamespace(np=mask)
-        self.execute_model_state = object()
+        self.execute_model_state = SimpleNamespace(spec_decode_metadata=None)
         self.top_k = top_k
 
     def sample_tokens(self, grammar_output: object) -> object:

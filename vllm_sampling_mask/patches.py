@@ -150,6 +150,14 @@ PATCHES: list[Patch] = [
         process="worker",
     ),
     Patch(
+        target="vllm.v1.sample.rejection_sampler:rejection_sample",
+        make=f"{_P}.worker.v1_model_runner:wrap_rejection_sample",
+        why="Speculative decoding: the draft positions' target logits after temperature, top-k "
+        "and top-p exist only as this function's argument (RejectionSampler.forward makes them "
+        "and calls it by its module name): compact them, one row per draft position.",
+        process="worker",
+    ),
+    Patch(
         target="vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput.get_output",
         make=f"{_P}.worker.v1_model_runner:wrap_async_get_output",
         why="Unpack the host copy into one int32 bytes row per request "

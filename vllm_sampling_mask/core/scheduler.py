@@ -2,10 +2,11 @@
 
 ``update_from_output`` trims every request's new tokens (EOS, stop tokens, max_tokens,
 max_model_len) and drops stale async frames; it always keeps a *prefix* of the step's sampled
-tokens. So the rows of an output are the first ``len(new_token_ids)`` rows of its request's batch
-row: with one sampled token per request per step (speculative decoding is rejected at start),
-one row or none. Partial prefill chunks produce no tokens and so no rows; requests that opted
-out of masks have a ``None`` row and their outputs carry none.
+tokens. So the rows of an output are the first ``len(new_token_ids)`` rows of its request's rows in
+the step: one row per request, except in a speculative-decoding step, where a request has a row
+per position it sampled at (draft positions, then the bonus position) and its accepted tokens
+take a prefix of them. Partial prefill chunks produce no tokens and so no rows; requests that
+opted out of masks have a ``None`` row and their outputs carry none.
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ def wrap_update_from_output(original: Any) -> Any:
             outputs = original(self, scheduler_output, model_runner_output)
         step_problem = _step_problem(step, len(model_runner_output.req_ids))
         if step_problem is None:
-            failed = _hand_out_rows(outputs, step, model_runner_output.req_id_to_index)
+            hand_out = _hand_out_rows if step.groups is None else _hand_out_row_groups
+            failed = hand_out(outputs, step, model_runner_output.req_id_to_index)
         else:
             failed = [output for engine_core_outputs in outputs.values()
                       for output in engine_core_outputs.outputs if output.new_token_ids]
         for output in failed:
-            problem = (step_problem or
-                       f"the step produced {len(output.new_token_ids)} tokens for it but one row")
+            problem = step_problem or (f"the step produced {len(output.new_token_ids)} tokens "
+                                       "for it but fewer rows")
             logger.error("sampling masks lost for request %s: %s; the request is finished "
                          "with an error. %s", output.request_id, problem, MASK_BUG_HINT)
             self.finish_requests(output.request_id, RequestStatus.FINISHED_ERROR)
@@ -99,10 +101,36 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks,
     return several
 
 
+def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
+                         index: dict[str, int]) -> list[Any]:
+    """``_hand_out_rows`` for a speculative-decoding step: an output with ``n`` new tokens gets
+    the first ``n`` rows of its request's group (``n`` > 1: a list of the rows' bytes). Returns
+    the outputs with more tokens than rows."""
+    blob, starts, ends, groups = step.blob, step.starts, step.ends, step.groups
+    too_many: list[Any] = []
+    for engine_core_outputs in outputs.values():
+        for output in engine_core_outputs.outputs:
+            num_new = len(output.new_token_ids)
+            if num_new == 0:
+                continue
+            r = index[output.request_id]
+            first = groups[r]
+            if num_new > groups[r + 1] - first:
+                too_many.append(output)
+                continue
+            if starts[first] < 0:
+                output.sampling_mask = None
+                continue
+            rows = [bytes(blob[starts[j] : ends[j]]) for j in range(first, first + num_new)]
+            output.sampling_mask = rows[0] if num_new == 1 else rows
+    return too_many
+
+
 def _step_problem(step: StepSamplingMasks | None, num_batch_rows: int) -> str | None:
     """Why a step's rows can't be handed out (``None``: they can)."""
     if step is None:
         return "the step carries no masks"
-    if len(step.starts) != num_batch_rows:
-        return f"the step carries {len(step.starts)} mask rows for {num_batch_rows} batch rows"
+    carried = len(step.starts) if step.groups is None else len(step.groups) - 1
+    if carried != num_batch_rows:
+        return f"the step carries mask rows for {carried} requests, the batch has {num_batch_rows}"
     return None

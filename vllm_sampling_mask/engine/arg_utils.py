@@ -125,25 +125,20 @@ def check_engine_args(engine_args: Any) -> None:
             f"{CLI_FLAG} is not supported with VLLM_USE_RUST_FRONTEND=1: the Rust frontend "
             "bypasses the Python output path that carries the masks. Unset VLLM_USE_RUST_FRONTEND."
         )
-    if engine_args.speculative_config:
-        _reject_speculative_decoding(engine_args.speculative_config)
-
-
-def _reject_speculative_decoding(speculative_config: Any) -> None:
-    method = (speculative_config.get("method") if isinstance(speculative_config, dict)
-              else getattr(speculative_config, "method", None))
-    raise ValueError(
-        f"{CLI_FLAG} does not support speculative decoding (got --speculative-config with "
-        f"method {method!r}): a step then emits several tokens per request, and masks are "
-        "captured for one sampled token per request per step. Remove --speculative-config."
-    )
 
 
 def check_vllm_config(vllm_config: Any) -> None:
     """Raise ``ValueError`` if an engine with masks on would return wrong or no masks."""
     model_config = vllm_config.model_config
-    if vllm_config.speculative_config is not None:
-        _reject_speculative_decoding(vllm_config.speculative_config)
+    speculative_config = vllm_config.speculative_config
+    if speculative_config is not None and vllm_config.use_v2_model_runner:
+        raise ValueError(
+            f"{CLI_FLAG} does not capture masks under speculative decoding on Model Runner V2 "
+            f"yet (--speculative-config method {speculative_config.method!r} runs there). "
+            "vLLM's V1 model runner carries a mask row for every position of a speculative "
+            "step: set VLLM_USE_V2_MODEL_RUNNER=0 (ngram always runs on V1), or remove "
+            "--speculative-config."
+        )
     if getattr(model_config, "is_diffusion", False):
         raise ValueError(
             f"{CLI_FLAG} does not support diffusion models ({model_config.model}): they do not "

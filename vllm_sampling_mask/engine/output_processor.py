@@ -56,6 +56,11 @@ class RequestMaskRows:
         self.blob += row
         self.lengths.append(len(row) >> 2)
 
+    def extend(self, rows: list[bytes]) -> None:
+        """Add several tokens' wire rows (a speculative-decoding step)."""
+        for row in rows:
+            self.append(row)
+
     def live(self) -> SamplingMask:
         """All rows so far, and every row appended later (CUMULATIVE outputs)."""
         return SamplingMask.from_wire(self.lengths, self.blob)
@@ -129,9 +134,9 @@ def wrap_add_request(original: Any) -> Any:
 def wrap_process_outputs(original: Any) -> Any:
     """``OutputProcessor.process_outputs``: append each output's row before vLLM builds outputs.
 
-    An output of a request with a row list must carry one row with its one token, or neither,
-    so rows and token ids grow in lock step. One that does not (a bug: a lost or an extra row)
-    fails that request alone: vLLM's per-request error (``fail_output``, logged), the request
+    An output of a request with a row list must carry one row per new token (several only from
+    a speculative-decoding step), so rows and token ids grow in lock step. One that does not (a
+    bug: a lost or an extra row) fails that request alone: vLLM's per-request error (``fail_output``, logged), the request
     aborted in the engine core; the others of the batch are served as usual. Rows sent for a
     request that asked for none are not attached to it.
     """
@@ -159,12 +164,16 @@ def wrap_process_outputs(original: Any) -> Any:
                     else:
                         pending.append(row)  # a streamed row (every step): no method call
                     continue
+                if row.__class__ is list and len(row) == num_new:
+                    holder.extend(row)  # a speculative step's tokens
+                    continue
             elif num_new == 0:
                 continue
+            num_rows = 0 if row is None else len(row) if row.__class__ is list else 1
             logger.error(
-                "sampling mask of request %s: an output with %d token(s) carries %s; the request "
-                "is finished with an error. %s", output.request_id, num_new,
-                "no row" if row is None else "one row", MASK_BUG_HINT)
+                "sampling mask of request %s: an output with %d token(s) carries %d row(s); the "
+                "request is finished with an error. %s", output.request_id, num_new, num_rows,
+                MASK_BUG_HINT)
             if not output.finished:
                 to_abort.append(output.request_id)
             state.streaming_input = False  # a failed streaming-input session ends too

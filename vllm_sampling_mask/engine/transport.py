@@ -33,14 +33,16 @@ def rows_mask(rows: list[bytes]) -> SamplingMask:
 class EngineCoreOutputWithMask(
     EngineCoreOutput, array_like=True, omit_defaults=True, gc=False  # type: ignore[call-arg]
 ):
-    """``EngineCoreOutput`` plus the mask row of its one new token.
+    """``EngineCoreOutput`` plus the mask rows of its new tokens.
 
-    sampling_mask: the token's kept ids, ascending, as little-endian int32 bytes (``4 * n``
-    bytes for ``n`` ids). One row, because an output carries at most one new token per step
-    (speculative decoding is refused at start); outputs without a new token carry ``None``.
+    sampling_mask: a new token's kept ids, ascending, as little-endian int32 bytes (``4 * n``
+    bytes for ``n`` ids); a list of such rows, one per token, when the output has several new
+    tokens (a speculative-decoding step); ``None`` for outputs without a new token or of a
+    request that opted out. msgpack tells the two apart by type (bin / array), so the
+    every-step case of one token costs no more than a row.
     """
 
-    sampling_mask: bytes | None = None
+    sampling_mask: bytes | list[bytes] | None = None
 
 
 class EngineCoreOutputsWithMasks(

@@ -24,6 +24,10 @@ class StepSamplingMasks:
           ``starts[r] == -1`` for requests that opted out of masks.
     none_wanted: no request of the step wants masks (every row opted out): the scheduler hands
           out vLLM's outputs as they are.
+    groups: ``None`` when row ``r`` belongs to batch request ``r`` (one sampled position per
+          request); else, for a speculative-decoding step, ``R + 1`` row boundaries: request
+          ``i``'s rows are ``groups[i]:groups[i + 1]``, one per position it sampled at (its
+          draft positions, then the bonus position), and its accepted tokens take a prefix.
     The engine core slices each output's row from the blob as it hands it out, so a step costs
     one bytes object per output and no decoding.
     """
@@ -32,6 +36,7 @@ class StepSamplingMasks:
     starts: list[int]
     ends: list[int]
     none_wanted: bool = False
+    groups: list[int] | None = None
 
     @classmethod
     def from_rows(cls, rows: Sequence[bytes | None]) -> StepSamplingMasks:
@@ -187,6 +192,60 @@ class HostStepMasks:
         if opted_out is not None:
             starts[opted_out] = -1
         return StepSamplingMasks(blob, starts.tolist(), ends.tolist())
+
+
+@dataclass
+class SpeculativeStepMasks:
+    """One speculative-decoding step's masks on the device (V1 runner).
+
+    bonus: one row per request, the bonus position's (from the sampler's call for it).
+    drafts: ``sum(num_draft)`` rows, the draft positions' target distributions as rejection
+        sampling used them, request after request (None: the step has no draft position).
+    num_draft: ``[R]`` int, each request's draft positions.
+    """
+
+    bonus: DeviceStepMasks
+    drafts: DeviceStepMasks | None
+    num_draft: np.ndarray
+
+    def copy_to_host_nonblocking(self) -> HostSpeculativeStepMasks:
+        return HostSpeculativeStepMasks(
+            self.bonus.copy_to_host_nonblocking(),
+            None if self.drafts is None else self.drafts.copy_to_host_nonblocking(),
+            self.num_draft)
+
+
+@dataclass
+class HostSpeculativeStepMasks:
+    """``SpeculativeStepMasks`` being copied; read only after the copy event fired."""
+
+    bonus: HostStepMasks
+    drafts: HostStepMasks | None
+    num_draft: np.ndarray
+
+    def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
+        """The step's rows grouped by request (``StepSamplingMasks.groups``): each request's
+        draft rows, then its bonus row (``num_sampled`` ``[R]``: 0 empties the bonus row)."""
+        bonus = self.bonus.unpack(num_sampled)
+        num_draft = self.num_draft.tolist()
+        drafts = (StepSamplingMasks(b"", [], []) if self.drafts is None
+                  else self.drafts.unpack(np.ones(sum(num_draft), dtype=np.int32)))
+        base = len(bonus.blob)
+        starts: list[int] = []
+        ends: list[int] = []
+        groups = [0]
+        first = 0
+        for request, count in enumerate(num_draft):
+            for row in range(first, first + count):
+                start = drafts.starts[row]
+                starts.append(start if start < 0 else base + start)
+                ends.append(base + drafts.ends[row])
+            first += count
+            starts.append(bonus.starts[request])
+            ends.append(bonus.ends[request])
+            groups.append(len(starts))
+        return StepSamplingMasks(b"".join((bonus.blob, drafts.blob)), starts, ends,
+                                 groups=groups)
 
 
 def tie_slack(top_k: int) -> int:

@@ -18,6 +18,12 @@ request ids, usually empty: then nothing per row). After the step, the device->h
 V1's async output copy stream and is unpacked in ``AsyncGPUModelRunnerOutput.get_output`` (async
 scheduling), or at once (sync scheduling: the step has already waited for the device). Rows
 follow ``ModelRunnerOutput.req_ids``; partial prefill rows (``discard_request_mask``) yield ``b""``.
+
+Speculative decoding (V1 runs ngram, EAGLE, MTP and draft models): the sampler's one call samples
+the bonus positions, and ``rejection_sample`` gets the draft positions' target logits after
+vLLM's transforms for them; both are compacted and unpacked into one group of rows per request
+(``SpeculativeStepMasks``), of which the scheduler hands each output the prefix its accepted
+tokens need.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ from vllm_sampling_mask.config import SamplingMaskConfig, request_wants_masks
 from vllm_sampling_mask.worker.step_masks import (
     NO_MASKS_WANTED,
     DeviceStepMasks,
+    HostSpeculativeStepMasks,
     HostStepMasks,
     NoStepMasks,
+    SpeculativeStepMasks,
     compact_step,
 )
 
@@ -48,10 +56,20 @@ class StepInputs:
 
     top_k_np: ``[R]`` int32, vLLM's top_k per row (the vocabulary size for "no top_k").
     row_wants: ``[R]`` bool, the rows whose requests want masks (None: all).
+    num_draft: ``[R]`` int, each request's draft positions in a speculative-decoding step
+        (None: not one).
     """
 
     top_k_np: np.ndarray
     row_wants: np.ndarray | None
+    num_draft: np.ndarray | None = None
+
+    def draft_rows(self) -> StepInputs:
+        """The same inputs for the step's draft positions (request ``i``'s repeated
+        ``num_draft[i]`` times)."""
+        repeat = self.num_draft
+        return StepInputs(np.repeat(self.top_k_np, repeat),
+                          None if self.row_wants is None else np.repeat(self.row_wants, repeat))
 
 
 class V1SamplingMaskCapture:
@@ -61,6 +79,8 @@ class V1SamplingMaskCapture:
     step: set by ``sample_tokens`` for the one ``Sampler.sample`` call of a step; None otherwise
           (profiling and warm-up runs call the sampler too, and capture nothing).
     pending: the step's device masks, from ``Sampler.sample`` back to ``sample_tokens``.
+    draft_step, pending_drafts: the same for the draft positions of a speculative-decoding step
+          (``rejection_sample``).
     """
 
     def __init__(self, max_width: int):
@@ -68,6 +88,12 @@ class V1SamplingMaskCapture:
         self.opted_out: set[str] = set()
         self.step: StepInputs | None = None
         self.pending: DeviceStepMasks | None = None
+        self.draft_step: StepInputs | None = None
+        self.pending_drafts: DeviceStepMasks | None = None
+
+    def compact(self, processed: torch.Tensor, step: StepInputs) -> DeviceStepMasks:
+        """Launch the compaction of ``processed`` ``[rows, V]`` (finite = kept)."""
+        return compact_step(processed, step.top_k_np, self.max_width, step.row_wants)
 
     def note_requests(self, scheduler_output: Any) -> None:
         """Track opt-outs from a ``SchedulerOutput`` (new requests and finished ids)."""
@@ -97,7 +123,7 @@ class PendingHostMasks:
     num_sampled: ``[R]`` int32, 0 for rows whose token is discarded (partial prefill).
     """
 
-    host: HostStepMasks | NoStepMasks
+    host: HostStepMasks | HostSpeculativeStepMasks | NoStepMasks
     copied: torch.cuda.Event | None
     num_sampled: np.ndarray
 
@@ -156,11 +182,37 @@ def wrap_sampler_sample(original: Any) -> Any:
                 f"rows that want masks (logprobs_mode {self.logprobs_mode!r}). This is a bug in "
                 "vllm-sampling-mask; please report it."
             )
-        capture.pending = compact_step(processed_logprobs, step.top_k_np, capture.max_width,
-                                       step.row_wants)
+        capture.pending = capture.compact(processed_logprobs, step)
         return sampled, processed_logprobs
 
     return sample
+
+
+# The capture of the speculative-decoding step being sampled in this process (set by
+# ``sample_tokens`` around it): ``rejection_sample`` is a module function with no runner to ask.
+_drafting_capture: V1SamplingMaskCapture | None = None
+
+
+def wrap_rejection_sample(original: Any) -> Any:
+    """``rejection_sample`` (V1): compact the draft positions' target logits first, as
+    ``RejectionSampler.forward`` hands them over: after the logits processors, temperature,
+    top-k and top-p (``apply_sampling_constraints``; no min-p at draft positions in vLLM 0.26),
+    the distribution each draft token is accepted against and a recovered token drawn from."""
+
+    @functools.wraps(original)
+    def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: list[int],
+                         max_spec_len: int, cu_num_draft_tokens: torch.Tensor,
+                         draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+                         *args: Any, **kwargs: Any) -> torch.Tensor:
+        capture = _drafting_capture
+        step = None if capture is None else capture.draft_step
+        if step is not None:
+            capture.draft_step = None
+            capture.pending_drafts = capture.compact(target_logits, step)
+        return original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+                        draft_probs, target_logits, *args, **kwargs)
+
+    return rejection_sample
 
 
 def wrap_sample_tokens(original: Any) -> Any:
@@ -178,23 +230,32 @@ def wrap_sample_tokens(original: Any) -> Any:
         row_wants = capture.row_wants(batch.req_ids, num_reqs)
         if row_wants is not None and not row_wants.any():
             return _attach(self, original(self, *args, **kwargs), NO_MASKS_WANTED, num_sampled)
-        capture.step = StepInputs(batch.top_k_cpu[:num_reqs], row_wants)
+        spec = self.execute_model_state.spec_decode_metadata
+        num_draft = None if spec is None else np.asarray(spec.num_draft_tokens, dtype=np.int64)
+        step = capture.step = StepInputs(batch.top_k_cpu[:num_reqs], row_wants, num_draft)
+        global _drafting_capture
+        if num_draft is not None and num_draft.any():
+            capture.draft_step, _drafting_capture = step.draft_rows(), capture
         try:
             output = original(self, *args, **kwargs)
-            step_masks = capture.pending
+            step_masks, drafts = capture.pending, capture.pending_drafts
         finally:
-            capture.step = capture.pending = None
-        if step_masks is None:
+            capture.step = capture.pending = capture.draft_step = capture.pending_drafts = None
+            _drafting_capture = None
+        if step_masks is None or (drafts is None and num_draft is not None and num_draft.any()):
             raise RuntimeError(
                 "sampling masks: V1's sampler did not run for a step with rows that want masks. "
                 "This is a bug in vllm-sampling-mask; please report it."
             )
+        if num_draft is not None:
+            step_masks = SpeculativeStepMasks(step_masks, drafts, num_draft)
         return _attach(self, output, step_masks, num_sampled)
 
     return sample_tokens
 
 
-def _attach(runner: Any, output: Any, step_masks: DeviceStepMasks | NoStepMasks,
+def _attach(runner: Any, output: Any,
+            step_masks: DeviceStepMasks | SpeculativeStepMasks | NoStepMasks,
             num_sampled: np.ndarray) -> Any:
     """Start the host copy of ``step_masks`` for ``output`` (an ``AsyncGPUModelRunnerOutput``),
     or copy and unpack it into ``output.sampling_masks`` now (a ``ModelRunnerOutput``)."""
@@ -204,13 +265,13 @@ def _attach(runner: Any, output: Any, step_masks: DeviceStepMasks | NoStepMasks,
         # Sync scheduling: the step has already waited for the device (its sampled tokens are
         # on the host), so this copy waits for nothing but itself.
         host = step_masks.copy_to_host_nonblocking()
-        if isinstance(step_masks, DeviceStepMasks) and step_masks.support.packed.is_cuda:
+        if not isinstance(step_masks, NoStepMasks) and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
         output.sampling_masks = host.unpack(num_sampled)
         return output
     copied = None
-    host: HostStepMasks | NoStepMasks = NO_MASKS_WANTED
-    if isinstance(step_masks, DeviceStepMasks):
+    host: HostStepMasks | HostSpeculativeStepMasks | NoStepMasks = NO_MASKS_WANTED
+    if not isinstance(step_masks, NoStepMasks):
         # The same stream as vLLM's copies of this step (after them, so their event does not
         # cover ours: one more event). The device tensors stay referenced by ``host``.
         main_stream = torch.cuda.current_stream()
