@@ -16,7 +16,7 @@
 #   engine    stock / on / optout interleaved, compiled, 6 rounds                    (~6 min)
 #   logprobs  stock / on with logprobs=1, interleaved, compiled, 4 rounds            (~4 min)
 #   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled; the V1-runner
-#             GPU tests                                                              (~9 min)
+#             GPU tests, ngram speculative decoding included                         (~10 min)
 #   paths     step costs of the sampling paths                                      (~1 min)
 #
 # Each step writes <step>.json and <step>.log under $OUT (default bench_out/) and runs under its
@@ -106,7 +106,7 @@ case "${1:-}" in
       --concurrency 1,64
     if [ -z "$small" ]; then
       PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-        step gpu_tests_v1 180 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
+        step gpu_tests_v1 300 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
     fi
     ;;
   paths)

@@ -5,9 +5,9 @@ vLLM picks its V1 runner for these engines by itself: they load a custom logits 
 Model Runner V2 does not support. Same model and 256-request workload as ``test_gpu_engine.py``
 (chunked prefill, prefix-cache hits, forced preemption), with async scheduling (masks copied on
 V1's async output stream), plus requests that ask the processor and requests that opt out; then a
-smaller batch on an engine without async scheduling (masks copied at the end of the step). Both
-engines take 0.35 of the GPU memory, so they fit together; run this module in its own pytest
-invocation (``test_gpu_engine.py``'s engine takes vLLM's default 0.9).
+smaller batch on an engine without async scheduling (masks copied at the end of the step); then
+ngram speculative decoding (0.25 of the memory). The engines fit together; run this module in its
+own pytest invocation (``test_gpu_engine.py``'s engine takes vLLM's default 0.9).
 """
 
 from __future__ import annotations
@@ -128,5 +128,38 @@ def test_v1_capture_with_sync_scheduling() -> None:
         print(f"GPU_V1_SYNC tokens={result['tokens']} violations={len(result['violations'])}",
               flush=True)
         assert not result["violations"], dict(list(result["violations"].items())[:5])
+    finally:
+        del llm
+
+
+def test_v1_ngram_speculative_decoding() -> None:
+    """ngram drafts (always the V1 runner): the mixed workload plus prompts that repeat a pattern,
+    so drafts exist and are accepted; every token's row checked against the processed logprobs
+    vLLM returns for it (draft positions included)."""
+    if not os.path.isdir(MODEL):
+        pytest.skip(f"GPU model {MODEL} not found (set SAMPLING_MASK_GPU_MODEL)")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(MODEL, return_sampling_mask=True, logprobs_mode="processed_logprobs",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+              max_num_seqs=128, max_model_len=4096, max_logprobs=80, seed=0,
+              gpu_memory_utilization=0.25, disable_log_stats=False,
+              enforce_eager=os.environ.get("SAMPLING_MASK_GPU_EAGER", "1") == "1")
+    try:
+        prompts, params = mixed_requests(64, seed=5)
+        for i in range(64):
+            pattern = [1000 + 37 * i + j for j in range(6)]
+            prompts.append(TokensPrompt(prompt_token_ids=pattern * 8))
+            params.append(SamplingParams(temperature=0.3, top_k=20, logprobs=28, max_tokens=96,
+                                         seed=i, stop_token_ids=[pattern[4]] if i % 4 else None))
+        result = check_outputs(llm.generate(prompts, params, use_tqdm=False), params)
+        accepted = sum(m.value for m in llm.get_metrics()
+                       if m.name == "vllm:spec_decode_num_accepted_tokens")
+        print(f"GPU_V1_NGRAM tokens={result['tokens']} accepted_draft_tokens={accepted} "
+              f"violations={len(result['violations'])}", flush=True)
+        assert not result["violations"], dict(list(result["violations"].items())[:5])
+        assert accepted > 0
     finally:
         del llm
