@@ -15,8 +15,8 @@
 #             host unpack at top_k 50 and with every row wider than the width cap    (~9 min)
 #   engine    stock / on / optout interleaved, compiled, 6 rounds                    (~6 min)
 #   logprobs  stock / on with logprobs=1, interleaved, compiled, 4 rounds            (~4 min)
-#   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled; the V1-runner
-#             GPU tests, ngram speculative decoding included                         (~10 min)
+#   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled       (~7 min)
+#   v1        the V1-runner GPU tests, ngram speculative decoding included           (~5 min)
 #   paths     step costs of the sampling paths                                      (~1 min)
 #
 # Each step writes <step>.json and <step>.log under $OUT (default bench_out/) and runs under its
@@ -104,16 +104,16 @@ case "${1:-}" in
     bench bench_host_overhead host_overhead 60
     bench bench_http_throughput http 330 /root/models/qwen3-0.6b "${compiled[@]}" \
       --concurrency 1,64
-    if [ -z "$small" ]; then
-      PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-        step gpu_tests_v1 300 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
-    fi
+    ;;
+  v1)
+    PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+      step gpu_tests_v1 420 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
     ;;
   paths)
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|v1|paths" >&2
     exit 2
     ;;
 esac
