@@ -136,9 +136,9 @@ def wrap_process_outputs(original: Any) -> Any:
 
     An output of a request with a row list must carry one row per new token (several only from
     a speculative-decoding step), so rows and token ids grow in lock step. One that does not (a
-    bug: a lost or an extra row) fails that request alone: vLLM's per-request error (``fail_output``, logged), the request
-    aborted in the engine core; the others of the batch are served as usual. Rows sent for a
-    request that asked for none are not attached to it.
+    bug: a lost or an extra row) fails that request alone: vLLM's per-request error
+    (``fail_output``, logged), the request aborted in the engine core; the others of the batch
+    are served as usual. Rows sent for a request that asked for none are not attached to it.
     """
 
     @functools.wraps(original)
