@@ -54,3 +54,14 @@ def subprocess_env() -> dict[str, str]:
 
         env.update(cpu_test_env())
     return env
+
+
+@pytest.fixture(scope="session")
+def mask_server(tiny_model_dir: str, subprocess_env: dict[str, str]):
+    """One ``vllm serve --return-sampling-mask`` (fp32: vLLM's min-p kernel does not run on
+    bfloat16 logits in the Triton interpreter) shared by the HTTP endpoint and fuzz modules, so
+    CI starts it once (~1 minute on a 2-core machine)."""
+    from http_server import MASK_FLAGS, running_server
+
+    with running_server(tiny_model_dir, subprocess_env, (*MASK_FLAGS, "--dtype", "float32")) as srv:
+        yield srv

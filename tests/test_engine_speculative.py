@@ -47,14 +47,14 @@ def test_every_accepted_position_has_its_row(llm) -> None:
     from vllm import SamplingParams
 
     accepted_before = accepted_draft_tokens(llm)
-    params = [SamplingParams(temperature=0.2, top_k=12, logprobs=12, max_tokens=24, seed=i)
-              for i in range(4)]
+    params = [SamplingParams(temperature=0.2, top_k=12, logprobs=12, max_tokens=16, seed=i)
+              for i in range(3)]
     params.append(SamplingParams(temperature=0.5, top_k=24, top_p=0.8, logprobs=24,
-                                 max_tokens=24, seed=9))
+                                 max_tokens=16, seed=9))
     completions = generate(llm, prompts(len(params)), params)
     assert accepted_draft_tokens(llm) > accepted_before, "no draft token was accepted"
     for completion in completions:
-        assert len(completion.token_ids) == 24
+        assert len(completion.token_ids) == 16
         assert check_completion(completion, with_logprobs=True) == []
 
 
@@ -64,14 +64,14 @@ def test_tokens_cut_inside_a_step_keep_their_rows(llm) -> None:
     from vllm import SamplingParams
 
     base = dict(temperature=0.2, top_k=12, logprobs=12, seed=3)
-    (free,) = generate(llm, prompts(2)[1:], SamplingParams(max_tokens=24, **base))
+    (free,) = generate(llm, prompts(2)[1:], SamplingParams(max_tokens=16, **base))
     short = SamplingParams(max_tokens=5, **base)
     # The same seeded request, stopped at the first time it samples its 7th token.
-    stopped = SamplingParams(max_tokens=24, stop_token_ids=[free.token_ids[6]], **base)
+    stopped = SamplingParams(max_tokens=16, stop_token_ids=[free.token_ids[6]], **base)
     opted_out = SamplingParams(max_tokens=10, extra_args={"return_sampling_mask": False}, **base)
     short_c, stopped_c, opted_out_c = generate(llm, prompts(3), [short, stopped, opted_out])
     assert len(short_c.token_ids) == 5
-    assert stopped_c.finish_reason == "stop" and len(stopped_c.token_ids) < 24
+    assert stopped_c.finish_reason == "stop" and len(stopped_c.token_ids) < 16
     for completion in (short_c, stopped_c):
         assert check_completion(completion, with_logprobs=True) == []
     assert opted_out_c.sampling_mask is None and len(opted_out_c.token_ids) == 10
@@ -83,7 +83,7 @@ def test_streamed_outputs_carry_each_steps_rows(llm) -> None:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(temperature=0.2, top_k=12, logprobs=12, max_tokens=16, seed=4,
+    params = SamplingParams(temperature=0.2, top_k=12, logprobs=12, max_tokens=12, seed=4,
                             output_kind=RequestOutputKind.DELTA)
     outputs = llm.generate(prompts(1), params, use_tqdm=False)
     (completion,) = outputs[0].outputs

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from http_server import MASK_FLAGS, Server, running_server, sse_events, sse_raw
+from http_server import Server, sse_events, sse_raw
 from mask_invariants import mask_problems
 
 pytestmark = pytest.mark.slow
@@ -32,9 +32,8 @@ CHAT = [{"role": "user", "content": "the quick brown fox"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: str, subprocess_env: dict[str, str]):
-    with running_server(tiny_model_dir, subprocess_env, MASK_FLAGS) as srv:
-        yield srv
+def server(mask_server: Server) -> Server:
+    return mask_server
 
 
 @pytest.fixture(scope="module")

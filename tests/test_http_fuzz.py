@@ -15,7 +15,7 @@ fields, streamed n > 1, malformed JSON and bodies that are not objects. Sent 8 a
 - 50 streams dropped after their first chunk leave the held-mask gauges at 0;
 - the server's resident memory (API server + engine core) grows by less than 50 MiB.
 
-Takes ~3 minutes on a 2-core CPU machine, server start included.
+Takes ~3 minutes on a 2-core CPU machine; the server is shared with test_http_endpoints.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
-from http_server import MASK_FLAGS, Server, running_server
+from http_server import Server
 from mask_invariants import mask_problems
 
 pytestmark = pytest.mark.slow
@@ -273,10 +273,8 @@ def _held(server: Server) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: str, subprocess_env: dict[str, str]):
-    # float32: vLLM's min-p kernel does not run on bfloat16 logits in the Triton interpreter.
-    with running_server(tiny_model_dir, subprocess_env, (*MASK_FLAGS, "--dtype", "float32")) as srv:
-        yield srv
+def server(mask_server: Server) -> Server:
+    return mask_server  # shared with test_http_endpoints.py (conftest.py)
 
 
 def test_fuzzed_requests_never_break_the_server(server: Server, tiny_model_dir: str) -> None:
