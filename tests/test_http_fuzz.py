@@ -37,7 +37,7 @@ from mask_invariants import mask_problems
 pytestmark = pytest.mark.slow
 
 SEED = 20261201
-FUZZ_REQUESTS = 320
+FUZZ_REQUESTS = 300  # issue 12: at least 300
 CONCURRENCY = 8
 MAX_TOKENS = 8
 DROPPED_STREAMS = 50
