@@ -521,18 +521,24 @@ def test_switch_off_outputs_carry_no_mask_and_are_otherwise_identical(
     assert on.requests == off.requests == {}
 
 
-@pytest.mark.parametrize("view", [False, True], ids=["bytes", "memoryview"])
-def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig], view: bool) -> None:
-    """A ``None`` row (the worker's mark for a request that opted out of masks) gives that
-    request's output no mask; the other request of the step keeps its row, as bytes also when
-    the step's buffer is a view (rows expanded on the device)."""
-    scheduler = build_scheduler(configs[True])
+def two_request_step(config: VllmConfig) -> tuple[Scheduler, SchedulerOutput, ModelRunnerOutput]:
+    """Requests ``a`` and ``b`` scheduled, and a runner output giving them tokens 11 and 12."""
+    scheduler = build_scheduler(config)
     add_request(scheduler, "a", 5, max_tokens=3)
     add_request(scheduler, "b", 5, max_tokens=3)
     scheduler_output = scheduler.schedule()
     model_runner_output = ModelRunnerOutput(
         req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[11], [12]]
     )
+    return scheduler, scheduler_output, model_runner_output
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["bytes", "memoryview"])
+def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig], view: bool) -> None:
+    """A ``None`` row (the worker's mark for a request that opted out of masks) gives that
+    request's output no mask; the other request of the step keeps its row, as bytes also when
+    the step's buffer is a view (rows expanded on the device)."""
+    scheduler, scheduler_output, model_runner_output = two_request_step(configs[True])
     step = StepSamplingMasks.from_rows([np.array([3, 11], dtype="<i4").tobytes(), None])
     if view:
         step.blob = memoryview(bytearray(step.blob))
@@ -550,13 +556,7 @@ def test_a_step_no_request_wants_masks_for_gets_vllms_own_outputs(
     own class, so they cost and encode exactly as on a stock engine."""
     from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED
 
-    scheduler = build_scheduler(configs[True])
-    add_request(scheduler, "a", 5, max_tokens=3)
-    add_request(scheduler, "b", 5, max_tokens=3)
-    scheduler_output = scheduler.schedule()
-    model_runner_output = ModelRunnerOutput(
-        req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[11], [12]]
-    )
+    scheduler, scheduler_output, model_runner_output = two_request_step(configs[True])
     model_runner_output.sampling_masks = NO_MASKS_WANTED.unpack(np.ones(2, dtype=np.int32))
     outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
     assert [type(o) for o in outputs[0].outputs] == [EngineCoreOutput, EngineCoreOutput]
