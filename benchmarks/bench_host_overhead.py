@@ -243,7 +243,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # (e) attach: _new_completion_output for every request, DELTA (streaming: every step). The
     # no-op original returns a completion made in setup (vLLM's own cost is not ours). Earlier
     # rows were handed out (and dropped) by earlier outputs: the new token's chunk is held.
-    new_completion = wrap_new_completion_output(lambda self, *a, **k: self.completion)
+    attach = wrap_new_completion_output(lambda self, *a: self.completion)
+
+    def new_completion(state: Any) -> Any:  # as RequestState.make_request_output calls it
+        return attach(state, state.completion.token_ids, None, None)
 
     def attach_setup() -> list[Any]:
         states = []

@@ -187,22 +187,24 @@ def wrap_process_outputs(original: Any) -> Any:
 
 def wrap_new_completion_output(original: Any) -> Any:
     """``RequestState._new_completion_output`` plus ``sampling_mask`` aligned with ``token_ids``
-    (bound per request state by ``mask_rows_of``)."""
+    (bound per request state by ``mask_rows_of``). Runs for every streamed token of every
+    request, so it takes vLLM's three arguments by position."""
     from vllm.sampling_params import RequestOutputKind
 
     cumulative = RequestOutputKind.CUMULATIVE
+    from_wire_row = SamplingMask.from_wire_row
 
     @functools.wraps(original)
-    def _new_completion_output(self: Any, *args: Any, **kwargs: Any) -> Any:
-        completion = original(self, *args, **kwargs)
-        holder: RequestMaskRows = self.__dict__[_ROWS_ATTR]
-        num_tokens = len(completion.token_ids)  # == the rows held: process_outputs checks
+    def _new_completion_output(self: Any, token_ids: list[int], finish_reason: Any,
+                               stop_reason: Any) -> Any:
+        completion = original(self, token_ids, finish_reason, stop_reason)
+        holder: RequestMaskRows = self.sampling_mask_rows
         pending = holder.pending
-        if pending is not None and num_tokens == 1 == len(pending):
+        if pending is not None and len(pending) == 1 and len(completion.token_ids) == 1:
             # A streamed token (every step of every streaming request): its row as it came.
-            row = pending.pop()
-            completion.sampling_mask = SamplingMask.from_wire_row(row)
+            completion.sampling_mask = from_wire_row(pending.pop())
             return completion
+        num_tokens = len(completion.token_ids)  # == the rows held: process_outputs checks
         if self.output_kind is not cumulative:
             # DELTA: the new tokens' rows; FINAL_ONLY: all rows (built once, at the end).
             completion.sampling_mask = holder.take_last(num_tokens)
