@@ -26,9 +26,18 @@ spread by +-20% on a shared machine, and the best round is the least disturbed o
 
 ``--isolate`` builds each engine in a subprocess instead (one vLLM import per engine); an
 engine that fails to start in-process after another one is retried that way. ``--interleave``
-keeps every engine alive side by side (``stock`` in a subprocess that runs rounds on request)
-and alternates their rounds, so all see the same drift of the machine (the ratios of separate
-runs moved by more than the masks cost).
+keeps every engine alive side by side, each in a subprocess of its own that runs rounds on
+request (the same process layout for every config), and alternates their rounds, so all see the
+same drift of the machine (the ratios of separate runs moved by more than the masks cost).
+
+``--pin N`` (with ``--interleave``) first times a fixed Python loop on every CPU, takes the N
+fastest and runs every engine on the same ones: its frontend thread(s) on the first two, its
+engine-core process (scheduler, worker, their threads) on the rest. On the lent H200 machine
+vCPUs run host code at speeds that differ by up to ~1.7x and change over time
+(``probe_machine_noise.py``); without pinning, an engine's hot threads land on whichever vCPUs
+the kernel picks, so two engines of the same round need not run on equally fast ones. The
+report also has ``paired_ratios``: per round, each engine's throughput over stock's (or
+off's) in the same round, their median and range.
 """
 
 from __future__ import annotations
@@ -88,6 +97,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interleave", action="store_true",
                         help="Keep every engine alive side by side (stock in a subprocess) and "
                         "alternate their rounds.")
+    parser.add_argument("--pin", type=int, metavar="N",
+                        help="--interleave: run every engine on the same N fastest CPUs (2 for "
+                        "its frontend, the rest for its engine core); N >= 3.")
+    parser.add_argument("--frontend-cpus", type=int_list, help=argparse.SUPPRESS)
+    parser.add_argument("--core-cpus", type=int_list, help=argparse.SUPPRESS)
     parser.add_argument("--worker-config", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-serve", action="store_true", help=argparse.SUPPRESS)
@@ -103,6 +117,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--configs: unknown {unknown}, choose from {list(CONFIG_ORDER)}")
     args.config_list = [c for c in CONFIG_ORDER if c in configs]
+    if args.pin is not None and (args.pin < 3 or not args.interleave):
+        parser.error("--pin N needs --interleave and N >= 3")
     return args
 
 
@@ -265,18 +281,24 @@ class EngineUnderTest:
 REPLY_PREFIX = "@@bench_engine_throughput@@ "
 
 
-class StockEngineProcess:
-    """The ``stock`` engine (plugin not loaded) in a subprocess that runs rounds on request, so
-    it can be interleaved with the in-process engines like any ``EngineUnderTest``."""
+class EngineProcess:
+    """One engine in a subprocess that runs rounds on request, so engines can be interleaved
+    (``stock`` with this plugin not loaded). ``cpus`` = (frontend, engine core) pins it."""
 
-    def __init__(self, args: argparse.Namespace, argv: Sequence[str],
-                 gpu_memory_utilization: float) -> None:
-        env = dict(os.environ, VLLM_PLUGINS=plugins_without_ours())
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker-config", "stock",
+    def __init__(self, name: str, args: argparse.Namespace, argv: Sequence[str],
+                 gpu_memory_utilization: float,
+                 cpus: tuple[list[int], list[int]] | None = None) -> None:
+        env = dict(os.environ)
+        if name == "stock":
+            env["VLLM_PLUGINS"] = plugins_without_ours()
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker-config", name,
                "--worker-serve", "--gpu-memory-utilization", str(gpu_memory_utilization)]
-        print(f"[stock] subprocess: {' '.join(cmd)}", flush=True)
-        self.name, self.args = "stock", args
-        self.plugins = env["VLLM_PLUGINS"]
+        if cpus is not None:
+            cmd += ["--frontend-cpus", ",".join(map(str, cpus[0])),
+                    "--core-cpus", ",".join(map(str, cpus[1]))]
+        print(f"[{name}] subprocess: {' '.join(cmd)}", flush=True)
+        self.name, self.args = name, args
+        self.plugins = env.get("VLLM_PLUGINS")
         self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, bufsize=1)
         self.call("ready")
@@ -289,10 +311,10 @@ class StockEngineProcess:
             if line.startswith(REPLY_PREFIX):
                 reply = json.loads(line[len(REPLY_PREFIX):])
                 if "error" in reply:
-                    raise RuntimeError(f"stock engine: {reply['error']}")
+                    raise RuntimeError(f"{self.name} engine: {reply['error']}")
                 return reply["value"]
             print(line, end="", flush=True)
-        raise RuntimeError(f"stock engine exited (code {self.process.wait()})")
+        raise RuntimeError(f"{self.name} engine exited (code {self.process.wait()})")
 
     def warm_up(self) -> None:
         self.call("warm_up")
@@ -301,7 +323,8 @@ class StockEngineProcess:
         self.call(f"round {batch} {round_index}")
 
     def result(self) -> dict[str, Any]:
-        return self.call("result") | {"VLLM_PLUGINS": self.plugins}
+        return self.call("result") | ({"VLLM_PLUGINS": self.plugins} if self.name == "stock"
+                                      else {})
 
     def shutdown(self) -> None:
         if self.process.poll() is None:
@@ -312,12 +335,18 @@ class StockEngineProcess:
 
 
 def serve_rounds(name: str, args: argparse.Namespace, model: str) -> None:
-    """Child of ``StockEngineProcess``: build the engine, then run the commands read on stdin
-    (``ready``, ``warm_up``, ``round B R``, ``result``, ``quit``), one reply line each."""
+    """Child of ``EngineProcess``: build the engine (pinned where asked), then run the commands
+    read on stdin (``ready``, ``warm_up``, ``round B R``, ``result``, ``quit``), one reply line
+    each."""
     def reply(**message: Any) -> None:
         print(REPLY_PREFIX + json.dumps(message), flush=True)
 
     engine = EngineUnderTest(name, args, model, args.gpu_memory_utilization)
+    if args.frontend_cpus and args.core_cpus:
+        pinned = pin_process_tree(args.frontend_cpus, args.core_cpus)
+        print(f"[{name}] pinned {pinned['frontend_threads']} frontend threads to "
+              f"{args.frontend_cpus}, {pinned['core_threads']} engine-core threads to "
+              f"{args.core_cpus}", flush=True)
     try:
         for line in sys.stdin:
             command, *params = line.split()
@@ -353,27 +382,66 @@ def run_config(name: str, args: argparse.Namespace, model: str) -> dict[str, Any
 
 
 def run_interleaved(names: list[str], args: argparse.Namespace, model: str,
-                    argv: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """All ``names`` engines alive at once (each with ``--gpu-memory-utilization``, default
-    0.85 / their number; ``stock`` in its own process), rounds alternating between them (the
-    order flips every round), so a drift of the machine over time affects every config alike."""
+                    argv: Sequence[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+    """All ``names`` engines alive at once, each in its own process (with
+    ``--gpu-memory-utilization``, default 0.85 / their number), rounds alternating between them
+    (the order flips every round), so a drift of the machine over time affects every config
+    alike. Returns the results and the CPU pinning (``--pin``)."""
     share = args.gpu_memory_utilization or round(0.85 / len(names), 2)
-    engines: list[Any] = []
+    pinning = choose_cpus(args.pin) if args.pin else None
+    cpus = (pinning["frontend_cpus"], pinning["core_cpus"]) if pinning else None
+    engines: list[EngineProcess] = []
     try:
         for name in names:
-            engines.append(StockEngineProcess(args, argv, share) if name == "stock"
-                           else EngineUnderTest(name, args, model, share))
+            engines.append(EngineProcess(name, args, argv, share, cpus))
         for engine in engines:
             engine.warm_up()
         for r in range(args.reps):
             for b in args.batch_sizes:
                 for engine in (engines if r % 2 == 0 else engines[::-1]):
                     engine.run_round(b, r)
-        return {e.name: e.result() | {"isolated": e.name == "stock", "interleaved": True,
-                                      "gpu_memory_utilization": share} for e in engines}
+        results = {e.name: e.result() | {"isolated": True, "interleaved": True,
+                                         "gpu_memory_utilization": share} for e in engines}
+        return results, pinning
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+def choose_cpus(count: int) -> dict[str, Any]:
+    """The ``count`` CPUs that run a fixed loop fastest now: two for frontends, the rest for
+    engine cores."""
+    from probe_machine_noise import fastest_cpus
+
+    available = len(os.sched_getaffinity(0))
+    if available < count:
+        raise SystemExit(f"--pin {count}: this process may run on {available} CPUs only")
+    chosen, seconds = fastest_cpus(count)
+    print(f"CPUs {chosen} chosen (loop ms per CPU: "
+          f"{ {c: round(s * 1e3, 2) for c, s in seconds.items()} })", flush=True)
+    return {"frontend_cpus": chosen[:2], "core_cpus": chosen[2:], "loop_s_per_cpu": seconds}
+
+
+def pin_process_tree(frontend_cpus: list[int], core_cpus: list[int]) -> dict[str, int]:
+    """Pin every thread of this process to ``frontend_cpus`` and every thread of its
+    descendants (the engine core and what it started) to ``core_cpus``. Threads started
+    later inherit the pinning of the thread that starts them."""
+    import psutil  # a vLLM requirement
+
+    counts = {"frontend_threads": 0, "core_threads": 0}
+    this = psutil.Process()
+    for process, cpus, key in [(this, frontend_cpus, "frontend_threads")] + [
+            (child, core_cpus, "core_threads") for child in this.children(recursive=True)]:
+        try:
+            for thread in process.threads():
+                try:
+                    os.sched_setaffinity(thread.id, cpus)
+                    counts[key] += 1
+                except ProcessLookupError:  # a thread that ended meanwhile
+                    pass
+        except psutil.NoSuchProcess:
+            pass
+    return counts
 
 
 def shutdown(llm: Any) -> None:
@@ -436,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     setup_environment(args.small)
     model = args.model or (small_model() if args.small else DEFAULT_MODEL)
 
-    if args.worker_config and args.worker_serve:  # child of StockEngineProcess
+    if args.worker_config and args.worker_serve:  # child of EngineProcess
         serve_rounds(args.worker_config, args, model)
         return None
     if args.worker_config:  # child of run_isolated
@@ -444,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         args.worker_out.write_text(json.dumps(result))
         return None
 
+    pinning = None
     results: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     sequential = [] if args.interleave else args.config_list
@@ -472,7 +541,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     together = [n for n in args.config_list if n not in sequential]
     if together:
         try:
-            results.update(run_interleaved(together, args, model, argv))
+            interleaved, pinning = run_interleaved(together, args, model, argv)
+            results.update(interleaved)
         except Exception as exc:
             errors["+".join(together)] = f"{type(exc).__name__}: {exc}"[:2000]
             print(f"[{'+'.join(together)}] FAILED: {errors['+'.join(together)]}", flush=True)
@@ -480,11 +550,12 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                    if k not in ("out", "worker_config", "worker_out", "worker_serve")} | {"model": model},
-        "environment": environment(args.small),
+        "environment": environment(args.small) | {"cpu_pinning": pinning},
         "results": results,
         "errors": errors,
         "ratios": ratios(results, args.batch_sizes),
         "best_round_ratios": ratios(results, args.batch_sizes, "best_tokens_per_s"),
+        "paired_ratios": paired_ratios(results, args.batch_sizes) if args.interleave else {},
     }
     print("\n" + markdown(report))
     if args.out:
@@ -521,6 +592,25 @@ def ratios(results: dict[str, dict], batch_sizes: list[int],
     return out
 
 
+def paired_ratios(results: dict[str, dict], batch_sizes: list[int]) -> dict[str, dict[str, Any]]:
+    """``{"on/stock": {B: {"median", "min", "max", "rounds"}}, ...}``: round r of each engine
+    over round r of the baseline (stock, else off), which ran next to it in time."""
+    base = "stock" if "stock" in results else "off" if "off" in results else None
+    out: dict[str, dict[str, Any]] = {}
+    for name in results:
+        if base is None or name == base:
+            continue
+        by_batch = {}
+        for b in batch_sizes:
+            num = [x["tokens_per_s"] for x in results[name]["by_batch"][str(b)]["rounds"]]
+            den = [x["tokens_per_s"] for x in results[base]["by_batch"][str(b)]["rounds"]]
+            pairs = [n / d for n, d in zip(num, den)]
+            by_batch[str(b)] = {"median": statistics.median(pairs), "min": min(pairs),
+                                "max": max(pairs), "rounds": pairs}
+        out[f"{name}/{base}"] = by_batch
+    return out
+
+
 def markdown(report: dict) -> str:
     c, results = report["config"], report["results"]
     names = list(results)
@@ -541,6 +631,10 @@ def markdown(report: dict) -> str:
     for name, by_batch in report["best_round_ratios"].items():
         lines.append(f"best round {name}: " + ", ".join(
             f"B={b} {by_batch[str(b)]:.3f}" for b in c["batch_sizes"]))
+    for name, by_batch in report.get("paired_ratios", {}).items():
+        lines.append(f"paired rounds {name} (median [min, max]): " + ", ".join(
+            f"B={b} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]"
+            for b, v in by_batch.items()))
     for n in names:
         r = results[n]
         ok = all(x["mask_check"]["ok"] for x in r["by_batch"].values())

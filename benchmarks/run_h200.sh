@@ -4,17 +4,20 @@
 # On the device, after the set-up calls of shared/device/README.md (models in /root/models,
 # .vstage3 carried: FlashInfer, the stock baseline), from the repo root, back to back (the JIT
 # cache of the first call is lost once the machine goes back):
+#     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh jit
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh verify
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh engine
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh http
 #
-#   jit       FlashInfer's JIT alone (the first call on a new machine, when verify is not run),
-#             its cache left in $OUT for .vstage4 (below)
-#   verify    FlashInfer's JIT (sampling + top-k kernels: ~3-4 min on a new machine, cached in
-#             ~/.cache/flashinfer for the next calls), the MRV2 GPU tests, the compaction and
-#             host unpack at top_k 50 and with every row wider than the width cap    (~9 min)
-#   engine    stock / on / optout interleaved, compiled, 6 rounds                    (~6 min)
-#   logprobs  stock / on with logprobs=1, interleaved, compiled, 4 rounds            (~4 min)
+#   jit       FlashInfer's JIT (sampling + top-k kernels: 4-8 min on a new machine, cached in
+#             ~/.cache/flashinfer for the next calls on the same machine), its cache left in
+#             $OUT for .vstage4 (below): the first call on a new machine
+#   verify    the MRV2 GPU tests (they JIT the top-k themselves if `jit` did not run), the
+#             compaction and host unpack at top_k 50 and with every row wider than the width
+#             cap                                                                    (~5 min)
+#   engine    stock / on / optout interleaved, each engine in its own process, all pinned to
+#             the same 5 CPUs (--pin 5), compiled, 6 rounds                          (~6 min)
+#   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled       (~7 min)
 #   v1        the V1-runner GPU tests, ngram speculative decoding included           (~5 min)
 #   paths     step costs of the sampling paths                                      (~1 min)
@@ -72,7 +75,7 @@ if compgen -G ".vstage4/flashinfer_jit.tgz.part-*" > /dev/null; then
 fi
 
 flashinfer_jit() {
-  step flashinfer_jit 300 python3 -c "import torch, flashinfer; x = torch.randn(4, 151936, \
+  step flashinfer_jit 540 python3 -c "import torch, flashinfer; x = torch.randn(4, 151936, \
 device='cuda'); flashinfer.top_k(x, 50, sorted=True, deterministic=True); \
 flashinfer.sampling.top_k_top_p_sampling_from_logits(x, torch.full((4,), 50, device='cuda', \
 dtype=torch.int32), torch.full((4,), 0.9, device='cuda')); print('flashinfer JIT done')"
@@ -85,7 +88,6 @@ case "${1:-}" in
     ls -l "$out"/flashinfer_jit.tgz.part-*
     ;;
   verify)
-    flashinfer_jit
     PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
       step gpu_tests 220 python3 -m pytest -q -s -m gpu tests/test_candidate_sampler.py \
       tests/test_compaction_kernel.py tests/test_gpu_engine.py
@@ -93,12 +95,12 @@ case "${1:-}" in
       --top-ks 50,4097 --unpack-reps 10
     ;;
   engine)
-    bench bench_engine_throughput engine 360 --configs stock,on,optout --interleave \
-      "${compiled[@]}" --reps 6
+    bench bench_engine_throughput engine 420 --configs stock,on,optout --interleave \
+      --pin 5 "${compiled[@]}" --reps 6
     ;;
   logprobs)
-    bench bench_engine_throughput engine_logprobs 240 --configs stock,on --interleave \
-      "${compiled[@]}" --reps 4 --logprobs 1
+    bench bench_engine_throughput engine_logprobs 300 --configs stock,on --interleave \
+      --pin 5 "${compiled[@]}" --reps 4 --logprobs 1
     ;;
   http)
     bench bench_host_overhead host_overhead 60
