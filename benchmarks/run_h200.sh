@@ -20,6 +20,7 @@
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled       (~7 min)
 #   v1        the V1-runner GPU tests, ngram speculative decoding included           (~5 min)
+#   spec      EAGLE speculative decoding on Model Runner V2 (GPU test; not timed yet)
 #   paths     step costs of the sampling paths                                      (~1 min)
 #
 # Each step writes <step>.json and <step>.log under $OUT (default bench_out/) and runs under its
@@ -111,11 +112,15 @@ case "${1:-}" in
     PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
       step gpu_tests_v1 420 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
     ;;
+  spec)
+    PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+      step gpu_tests_spec 300 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_speculative.py
+    ;;
   paths)
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|v1|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|v1|spec|paths" >&2
     exit 2
     ;;
 esac

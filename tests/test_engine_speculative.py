@@ -1,11 +1,12 @@
-"""Speculative decoding with masks, end to end: ngram drafts on vLLM's V1 runner (CPU: vLLM's CPU
-runner, the rejection sampler's and our kernels under the Triton interpreter).
+"""Speculative decoding with masks, end to end on CPU, on both runners: ngram drafts on vLLM's V1
+runner, and EAGLE drafts on Model Runner V2 (a tiny draft that proposes its input token again:
+``draft_models.py``); the rejection samplers' and our kernels run under the Triton interpreter.
 
 A speculative step samples several tokens per request; each gets the row of the distribution it
 came from: a draft position's target distribution as rejection sampling used it (accepted draft
-or recovered token), or the bonus position's. The prompts repeat a pattern so that ngram drafts
-exist and are accepted; with logprobs as wide as top_k, the contract check compares every row
-with the processed distribution vLLM itself reports for that token.
+or recovered token), or the bonus position's. The prompts repeat a pattern so that drafts exist
+and are accepted; with logprobs as wide as top_k, the contract check compares every row with the
+processed distribution vLLM itself reports for that token.
 """
 
 from __future__ import annotations
@@ -21,16 +22,25 @@ SPECULATIVE_TOKENS = 3
 PATTERN = [41, 42, 43, 44, 45, 46]
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir: str):
+@pytest.fixture(scope="module", params=["ngram-v1", "eagle-mrv2"])
+def llm(request: pytest.FixtureRequest, tiny_model_dir: str, pytestconfig: pytest.Config):
     from vllm import LLM
 
+    if request.param == "ngram-v1":
+        speculative = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    else:
+        from draft_models import build_tiny_eagle_draft
+
+        draft = build_tiny_eagle_draft(
+            tiny_model_dir, pytestconfig.cache.mkdir("vllm_sampling_mask_eagle_draft"))
+        speculative = {"method": "eagle", "model": str(draft)}
     engine = LLM(tiny_model_dir, return_sampling_mask=True, logprobs_mode="processed_logprobs",
                  enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0, dtype="float32",
                  max_num_batched_tokens=256,  # a small profile run: a faster start on CPU
                  max_logprobs=32, disable_log_stats=False,
-                 speculative_config={"method": "ngram", "num_speculative_tokens": SPECULATIVE_TOKENS,
-                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+                 speculative_config={**speculative, "num_speculative_tokens": SPECULATIVE_TOKENS})
+    expected_v2 = request.param == "eagle-mrv2"
+    assert engine.llm_engine.vllm_config.use_v2_model_runner is expected_v2
     yield engine
     del engine
 
@@ -52,6 +62,8 @@ def test_every_accepted_position_has_its_row(llm) -> None:
               for i in range(3)]
     params.append(SamplingParams(temperature=0.5, top_k=24, top_p=0.8, logprobs=24,
                                  max_tokens=16, seed=9))
+    # Hot enough that drafts are rejected too (recovered tokens drawn at draft positions).
+    params.append(SamplingParams(temperature=1.5, top_k=24, logprobs=24, max_tokens=16, seed=5))
     completions = generate(llm, prompts(len(params)), params)
     assert accepted_draft_tokens(llm) > accepted_before, "no draft token was accepted"
     for completion in completions:

@@ -95,7 +95,7 @@ def test_speculative_decoding_on_the_v1_runner_is_accepted(tiny_model_dir: str) 
     assert config.speculative_config.method == "ngram" and not config.use_v2_model_runner
 
 
-def test_speculative_decoding_on_model_runner_v2_is_rejected(
+def test_speculative_decoding_on_model_runner_v2_is_accepted(
         tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.config import VllmConfig
 
@@ -104,8 +104,17 @@ def test_speculative_decoding_on_model_runner_v2_is_rejected(
     config = engine_config(tiny_model_dir, speculative_config=NGRAM)
     # As an EAGLE / MTP config runs (this tiny model has no draft head to build one with).
     monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
-    with pytest.raises(ValueError, match=r"speculative decoding on Model Runner V2.*'ngram'"
-                                         r".*VLLM_USE_V2_MODEL_RUNNER=0"):
+    check_vllm_config(config)
+
+
+@pytest.mark.parametrize("method", ["synthetic", "block"])
+def test_rejection_methods_other_than_standard_are_rejected(tiny_model_dir: str,
+                                                            method: str) -> None:
+    from vllm_sampling_mask.engine.arg_utils import check_vllm_config
+
+    config = engine_config(tiny_model_dir, speculative_config=NGRAM)
+    config.speculative_config.rejection_sample_method = method
+    with pytest.raises(ValueError, match=rf"rejection_sample_method 'standard'.*{method!r}"):
         check_vllm_config(config)
 
 

@@ -12,6 +12,8 @@ from vllm_sampling_mask.worker.sampler import (
     SamplingMaskCapture,
     attach_capture,
     wrap_add_request,
+    wrap_rejection_sample,
+    wrap_rejection_sampler_call,
     wrap_sample,
 )
 from vllm_sampling_mask.worker.compaction import CompactSupport
@@ -213,3 +215,46 @@ def test_a_failing_flashinfer_top_k_falls_back_to_torch_topk(monkeypatch, caplog
     assert candidate_sampler._torch_top_k_only
     values, ids = candidate_sampler.top_candidates(torch.tensor([[0.0, 3.0, 1.0]]), 2)
     assert ids.tolist() == [[1, 2]] and values.tolist() == [[3.0, 1.0]]
+
+
+def test_speculative_steps_get_a_row_per_position_grouped_by_request() -> None:
+    """Model Runner V2's rejection sampler: the processed logits of every position (two draft
+    positions + the bonus one for slot 1, the bonus one alone for slot 4, one draft + bonus for
+    the opted-out slot 6) are compacted as ``rejection_sample`` receives them, and each request
+    gets the rows of the positions it sampled at."""
+    vocab = 64
+    sampler = fake_sampler(vocab)
+    attach_capture(sampler, fake_config(True))
+    add_request = wrap_add_request(lambda self, req_idx, prompt_len, params: None)
+    for slot, extra in ((1, None), (4, None), (6, {"return_sampling_mask": False})):
+        add_request(sampler, slot, 5, SimpleNamespace(extra_args=extra))
+    sampler.sampling_states.top_k.np[[1, 4, 6]] = [2, 3, vocab]
+    processed = torch.full((6, vocab), float("-inf"))
+    kept = [[3, 9], [10, 11], [0, 63], [5, 6, 7], [1], [2]]
+    for row, ids in enumerate(kept):
+        processed[row, ids] = 0.0
+    processed[4:] = 0.0  # the opted-out request's positions keep the whole vocabulary
+
+    rejection_sample = wrap_rejection_sample(lambda logits, *args: ("sampled", "num_sampled"))
+
+    def call(self, logits, input_batch, draft_logits=None):
+        assert rejection_sample(processed, "draft", "cu") == ("sampled", "num_sampled")
+        return SimpleNamespace(sampling_mask=None)
+
+    call = wrap_rejection_sampler_call(call)
+    batch = SimpleNamespace(idx_mapping_np=np.array([1, 4, 6]),
+                            cu_num_logits_np=np.array([0, 3, 4, 6]))
+    output = call(SimpleNamespace(sampler=sampler), None, batch)
+    # Request 0 accepted one draft token (2 sampled), request 1 sampled its bonus token.
+    step = output.sampling_mask.copy_to_host_nonblocking().unpack(np.array([2, 1, 2]))
+    assert step.groups == [0, 3, 4, 6]
+    assert step.rows[:4] == [np.array(ids, dtype="<i4").tobytes() for ids in
+                             ([3, 9], [10, 11], [], [5, 6, 7])]  # position 2 was not sampled
+    assert step.rows[4:] == [None, None]
+
+    rejection_sample(processed, "draft", "cu")  # outside a mask step: nothing is compacted
+    assert sampler.__dict__.get("_sampling_mask_pending") is None
+    only_opted_out = SimpleNamespace(idx_mapping_np=np.array([6]),
+                                     cu_num_logits_np=np.array([0, 2]))
+    assert call(SimpleNamespace(sampler=sampler), None, only_opted_out).sampling_mask \
+        is NO_MASKS_WANTED

@@ -107,6 +107,21 @@ PATCHES: list[Patch] = [
         process="worker",
     ),
     Patch(
+        target="vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
+        make=f"{_P}.worker.sampler:wrap_rejection_sampler_call",
+        why="Speculative decoding: a step with draft tokens is sampled here, not by Sampler: "
+        "hand its masks (one row per position, grouped by request) to SamplerOutput.",
+        process="worker",
+    ),
+    Patch(
+        target="vllm.v1.worker.gpu.spec_decode.rejection_sampler:rejection_sample",
+        make=f"{_P}.worker.sampler:wrap_rejection_sample",
+        why="The processed logits of every position of a speculative step exist only as this "
+        "function's argument (RejectionSampler.__call__ makes them and calls it by its module "
+        "name): compact them (Triton).",
+        process="worker",
+    ),
+    Patch(
         target="vllm.v1.worker.gpu.async_utils:AsyncOutput.__init__",
         make=f"{_P}.worker.async_output:wrap_init",
         why="Device->host copy on the copy stream, covered by vLLM's own copy event.",

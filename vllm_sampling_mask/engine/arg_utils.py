@@ -131,13 +131,14 @@ def check_vllm_config(vllm_config: Any) -> None:
     """Raise ``ValueError`` if an engine with masks on would return wrong or no masks."""
     model_config = vllm_config.model_config
     speculative_config = vllm_config.speculative_config
-    if speculative_config is not None and vllm_config.use_v2_model_runner:
+    method = getattr(speculative_config, "rejection_sample_method", "standard")
+    if speculative_config is not None and method != "standard":
         raise ValueError(
-            f"{CLI_FLAG} does not capture masks under speculative decoding on Model Runner V2 "
-            f"yet (--speculative-config method {speculative_config.method!r} runs there). "
-            "vLLM's V1 model runner carries a mask row for every position of a speculative "
-            "step: set VLLM_USE_V2_MODEL_RUNNER=0 (ngram always runs on V1), or remove "
-            "--speculative-config."
+            f"{CLI_FLAG} requires rejection_sample_method 'standard' in --speculative-config, "
+            f"got {method!r}: 'synthetic' accepts draft tokens at fixed rates whatever the "
+            "target distribution (an accepted token may lie outside its row), and 'block' "
+            "accepts drafts by their joint ratio, which this plugin has not verified keeps "
+            "every accepted token inside its position's row."
         )
     if getattr(model_config, "is_diffusion", False):
         raise ValueError(

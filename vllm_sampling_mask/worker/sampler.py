@@ -10,6 +10,14 @@ top-k/top-p; grammar masks come earlier); vLLM's FlashInfer sampler is never use
 its "processed" logits are the pre-top-k ones. Both paths start from vLLM's own
 ``apply_sampling_params``.
 
+Speculative decoding (EAGLE, EAGLE3, MTP, DFlash, DSpark): a step with draft tokens is sampled
+by vLLM's ``RejectionSampler``, which applies every transform including top-k/top-p to the
+logits of every position (each request's draft positions, then its bonus position) and hands
+them to ``rejection_sample``: a draft token is accepted against, a recovered token drawn from,
+and the bonus token sampled from that position's distribution. That tensor is compacted as it
+is handed over, one row per position (``GroupedStepMasks``); an output takes the rows of the
+positions its accepted tokens came from.
+
 The sampler remembers which of its requests opted out (``extra_args["return_sampling_mask"] =
 False``): their rows are sampled and copied with the others but do not set the compaction width
 and are never unpacked, and a step with none that wants masks runs vLLM's sampler as it is
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,7 +42,12 @@ from vllm_sampling_mask.worker.candidate_sampler import (
     use_torch_top_k,
 )
 from vllm_sampling_mask.worker.compaction import CompactSupport
-from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, DeviceStepMasks, compact_step
+from vllm_sampling_mask.worker.step_masks import (
+    NO_MASKS_WANTED,
+    DeviceStepMasks,
+    GroupedStepMasks,
+    compact_step,
+)
 
 logger = logging.getLogger("vllm_sampling_mask")
 
@@ -182,3 +196,77 @@ def wrap_call(original: Any) -> Any:
         return output
 
     return __call__
+
+
+@dataclass
+class SpeculativeRows:
+    """What the compaction of one speculative step's positions needs, and its result.
+
+    top_k_np, row_wants: ``[num_positions]``, each position's request's top_k and whether it
+    wants masks (None: all).
+    """
+
+    capture: SamplingMaskCapture
+    top_k_np: np.ndarray
+    row_wants: np.ndarray | None
+    pending: DeviceStepMasks | None = None
+
+
+# The speculative step being rejection-sampled in this process (set by
+# ``RejectionSampler.__call__`` around it): ``rejection_sample`` is a module function with no
+# sampler to ask.
+_speculative_rows: SpeculativeRows | None = None
+
+
+def wrap_rejection_sampler_call(original: Any) -> Any:
+    """``RejectionSampler.__call__`` (MRV2): ``SamplerOutput.sampling_mask`` of a step with draft
+    tokens, one row per position, grouped by request."""
+
+    @functools.wraps(original)
+    def __call__(self: Any, logits: torch.Tensor, input_batch: Any,
+                 draft_logits: torch.Tensor | None = None) -> Any:
+        capture = self.sampler.__dict__.get(_CAPTURE_ATTR)
+        if capture is None:
+            return original(self, logits, input_batch, draft_logits)
+        idx_mapping_np = input_batch.idx_mapping_np
+        wants = capture.wants_masks[idx_mapping_np]
+        if not wants.any():
+            output = original(self, logits, input_batch, draft_logits)
+            output.sampling_mask = NO_MASKS_WANTED
+            return output
+        cu_positions = np.array(input_batch.cu_num_logits_np, dtype=np.int64)
+        per_request = np.diff(cu_positions)
+        top_k_np = np.repeat(self.sampler.sampling_states.top_k.np[idx_mapping_np], per_request)
+        global _speculative_rows
+        rows = _speculative_rows = SpeculativeRows(
+            capture, top_k_np, None if wants.all() else np.repeat(wants, per_request))
+        try:
+            output = original(self, logits, input_batch, draft_logits)
+        finally:
+            _speculative_rows = None
+        if rows.pending is None:
+            raise RuntimeError(
+                "sampling masks: Model Runner V2's rejection sampler did not call "
+                "rejection_sample for a step with draft tokens. This is a bug in "
+                "vllm-sampling-mask; please report it."
+            )
+        output.sampling_mask = GroupedStepMasks(rows.pending, cu_positions)
+        return output
+
+    return __call__
+
+
+def wrap_rejection_sample(original: Any) -> Any:
+    """``rejection_sample`` as Model Runner V2's rejection sampler calls it: compact the target
+    logits of every position first (after logit bias, penalties, bad words, temperature, min-p
+    and top-k/top-p: ``Sampler.apply_sampling_params``), the distributions the step's tokens
+    come from."""
+
+    @functools.wraps(original)
+    def rejection_sample(processed_logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        rows = _speculative_rows
+        if rows is not None and rows.pending is None:
+            rows.pending = rows.capture.compact(processed_logits, rows.top_k_np, rows.row_wants)
+        return original(processed_logits, *args, **kwargs)
+
+    return rejection_sample

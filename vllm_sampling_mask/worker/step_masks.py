@@ -196,7 +196,8 @@ class HostStepMasks:
 
 @dataclass
 class SpeculativeStepMasks:
-    """One speculative-decoding step's masks on the device (V1 runner).
+    """One speculative-decoding step's masks on the device (V1 runner; Model Runner V2's are
+    ``GroupedStepMasks``).
 
     bonus: one row per request, the bonus position's (from the sampler's call for it).
     drafts: ``sum(num_draft)`` rows, the draft positions' target distributions as rejection
@@ -246,6 +247,43 @@ class HostSpeculativeStepMasks:
             groups.append(len(starts))
         return StepSamplingMasks(b"".join((bonus.blob, drafts.blob)), starts, ends,
                                  groups=groups)
+
+
+@dataclass
+class GroupedStepMasks:
+    """One speculative-decoding step's masks on the device (Model Runner V2): one compaction of
+    every sampled position's target distribution, request after request.
+
+    positions: ``cu_positions[-1]`` rows: each request's draft positions, then its bonus position.
+    cu_positions: ``[R + 1]`` int, request ``i``'s rows are ``cu_positions[i]:cu_positions[i + 1]``
+        (vLLM's ``InputBatch.cu_num_logits_np``).
+    """
+
+    positions: DeviceStepMasks
+    cu_positions: np.ndarray
+
+    def copy_to_host_nonblocking(self) -> HostGroupedStepMasks:
+        return HostGroupedStepMasks(self.positions.copy_to_host_nonblocking(), self.cu_positions)
+
+
+@dataclass
+class HostGroupedStepMasks:
+    """``GroupedStepMasks`` being copied; read only after the copy event fired."""
+
+    positions: HostStepMasks
+    cu_positions: np.ndarray
+
+    def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
+        """The step's rows grouped by request (``StepSamplingMasks.groups``); ``num_sampled``
+        ``[R]``: the tokens each request sampled (accepted drafts + 1, 0 for a partial prefill
+        chunk), so only its first ``num_sampled[i]`` positions' rows are unpacked."""
+        cu = self.cu_positions.astype(np.int64)
+        counts = np.diff(cu)
+        position = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], counts)
+        used = position < np.repeat(np.asarray(num_sampled[: counts.size], np.int64), counts)
+        rows = self.positions.unpack(used.astype(np.int32))
+        rows.groups = cu.tolist()
+        return rows
 
 
 def tie_slack(top_k: int) -> int:

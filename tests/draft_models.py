@@ -1,0 +1,69 @@
+"""A tiny EAGLE draft for the tiny target model (speculative decoding on Model Runner V2).
+
+vLLM 0.26 loads an EAGLE-1 draft as ``EagleLlamaForCausalLM`` (``llama_eagle.py``): its
+``config.json`` is a plain Llama config (``EAGLEConfig`` renames the architecture when
+``method="eagle"``), and its weights are only the draft's own, named without the ``model.``
+prefix (vLLM's ``load_weights`` adds it): ``fc`` over ``cat(embed(token), target hidden)`` and one
+decoder layer without ``input_layernorm`` (vLLM's layer 0 skips it) and no final norm. Without
+``embed_tokens`` / ``lm_head`` in the file, vLLM shares the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def build_tiny_eagle_draft(target_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write (or reuse) an EAGLE draft of ``target_dir`` in ``out_dir``; returns the directory.
+
+    The draft proposes the token it was fed again: ``fc = [I | 0]`` and zero ``o_proj`` /
+    ``down_proj`` make its hidden state that token's embedding, which the target's tied
+    ``lm_head`` scores highest. The tiny random target mostly repeats its last token too, so at
+    a low temperature the drafts are accepted and at a high one many are rejected (recovered
+    tokens drawn at draft positions).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists():
+        return out
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    hidden, inter = target["hidden_size"], target["intermediate_size"]
+    heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
+    head_dim = target.get("head_dim") or hidden // heads
+    rope = target.get("rope_parameters") or {"rope_type": "default",
+                                            "rope_theta": target.get("rope_theta", 10000.0)}
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 1,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "hidden_act": "silu", "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
+        "max_position_embeddings": target["max_position_embeddings"],
+        "rope_parameters": rope, "rope_theta": rope.get("rope_theta", 10000.0),
+        "vocab_size": target["vocab_size"], "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        **{key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    }
+    generator = torch.Generator().manual_seed(0)
+
+    def small_random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.02
+
+    weights = {
+        "fc.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1),
+        "layers.0.self_attn.q_proj.weight": small_random(heads * head_dim, hidden),
+        "layers.0.self_attn.k_proj.weight": small_random(kv_heads * head_dim, hidden),
+        "layers.0.self_attn.v_proj.weight": small_random(kv_heads * head_dim, hidden),
+        "layers.0.self_attn.o_proj.weight": torch.zeros(hidden, heads * head_dim),
+        "layers.0.mlp.gate_proj.weight": small_random(inter, hidden),
+        "layers.0.mlp.up_proj.weight": small_random(inter, hidden),
+        "layers.0.mlp.down_proj.weight": torch.zeros(hidden, inter),
+        "layers.0.post_attention_layernorm.weight": torch.ones(hidden),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({name: w.float().contiguous() for name, w in weights.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
