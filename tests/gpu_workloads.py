@@ -1,9 +1,11 @@
-"""The mixed 256-request workload of the GPU engine tests (both runners)."""
+"""The workloads of the GPU engine tests (both runners) and their contract check."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
+
+from mask_invariants import check_completion
 
 
 def mixed_requests(num_requests: int, seed: int = 0) -> tuple[list[Any], list[Any]]:
@@ -27,3 +29,45 @@ def mixed_requests(num_requests: int, seed: int = 0) -> tuple[list[Any], list[An
             logprobs=top_k + 8, max_tokens=rng.randrange(32, 192), seed=i if i % 4 == 0 else None,
             stop_token_ids=[rng.randrange(100, 8000) for _ in range(20)] if i % 6 == 0 else None))
     return prompts, params
+
+
+def repeating_pattern_requests(count: int, *, top_k: int,
+                               logprobs: int) -> tuple[list[Any], list[Any]]:
+    """``(prompts, params)`` whose prompts repeat a 6-token pattern, so speculative drafts exist
+    and get accepted; 3 in 4 stop at the pattern's 5th token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts, params = [], []
+    for i in range(count):
+        pattern = [1000 + 37 * i + j for j in range(6)]
+        prompts.append(TokensPrompt(prompt_token_ids=pattern * 8))
+        params.append(SamplingParams(temperature=0.3, top_k=top_k, logprobs=logprobs,
+                                     max_tokens=96, seed=i,
+                                     stop_token_ids=[pattern[4]] if i % 4 else None))
+    return prompts, params
+
+
+def check_outputs(outputs: list[Any], params: list[Any]) -> dict:
+    """Violations by request index, and the counts of what was checked (``banned_rows``: rows
+    of requests that asked the test logits processor to ban even ids)."""
+    from vllm_sampling_mask_testing.logits_processors import REQUEST_KEY
+
+    violations, tokens, banned_rows = {}, 0, 0
+    for i, (output, p) in enumerate(zip(outputs, params)):
+        (completion,) = output.outputs
+        tokens += len(completion.token_ids)
+        extra = p.extra_args or {}
+        if extra.get("return_sampling_mask") is False:
+            if completion.sampling_mask is not None:
+                violations[i] = ["opted out but got a mask"]
+            continue
+        problems = check_completion(completion, with_logprobs=True)
+        if extra.get(REQUEST_KEY):
+            rows = completion.sampling_mask.token_ids
+            banned_rows += len(rows)
+            if any(t % 2 == 0 for row in rows for t in row):
+                problems.append("even id in a row of a request that banned them")
+        if problems:
+            violations[i] = problems
+    return {"violations": violations, "tokens": tokens, "banned_rows": banned_rows}

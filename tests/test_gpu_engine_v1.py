@@ -17,8 +17,7 @@ import os
 
 import pytest
 
-from gpu_workloads import mixed_requests
-from mask_invariants import check_completion
+from gpu_workloads import check_outputs, mixed_requests, repeating_pattern_requests
 
 pytestmark = pytest.mark.gpu
 
@@ -75,30 +74,6 @@ def with_processor_and_opt_outs(params: list) -> list:
     return changed
 
 
-def check_outputs(outputs, params) -> dict:
-    """Violations by request index, and the counts of what was checked."""
-    from vllm_sampling_mask_testing.logits_processors import REQUEST_KEY
-
-    violations, tokens, banned_rows = {}, 0, 0
-    for i, (output, p) in enumerate(zip(outputs, params)):
-        (completion,) = output.outputs
-        tokens += len(completion.token_ids)
-        extra = p.extra_args or {}
-        if extra.get("return_sampling_mask") is False:
-            if completion.sampling_mask is not None:
-                violations[i] = ["opted out but got a mask"]
-            continue
-        problems = check_completion(completion, with_logprobs=True)
-        if extra.get(REQUEST_KEY):
-            rows = completion.sampling_mask.token_ids
-            banned_rows += len(rows)
-            if any(t % 2 == 0 for row in rows for t in row):
-                problems.append("even id in a row of a request that banned them")
-        if problems:
-            violations[i] = problems
-    return {"violations": violations, "tokens": tokens, "banned_rows": banned_rows}
-
-
 def test_v1_capture_contract_at_batch_256_async(v1_llm) -> None:
     (worker,) = v1_llm.collective_rpc(describe_runner)
     assert worker == {"runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
@@ -138,8 +113,7 @@ def test_v1_ngram_speculative_decoding() -> None:
     vLLM returns for it (draft positions included)."""
     if not os.path.isdir(MODEL):
         pytest.skip(f"GPU model {MODEL} not found (set SAMPLING_MASK_GPU_MODEL)")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     llm = LLM(MODEL, return_sampling_mask=True, logprobs_mode="processed_logprobs",
               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
@@ -149,11 +123,9 @@ def test_v1_ngram_speculative_decoding() -> None:
               enforce_eager=os.environ.get("SAMPLING_MASK_GPU_EAGER", "1") == "1")
     try:
         prompts, params = mixed_requests(64, seed=5)
-        for i in range(64):
-            pattern = [1000 + 37 * i + j for j in range(6)]
-            prompts.append(TokensPrompt(prompt_token_ids=pattern * 8))
-            params.append(SamplingParams(temperature=0.3, top_k=20, logprobs=28, max_tokens=96,
-                                         seed=i, stop_token_ids=[pattern[4]] if i % 4 else None))
+        pattern_prompts, pattern_params = repeating_pattern_requests(64, top_k=20, logprobs=28)
+        prompts += pattern_prompts
+        params += pattern_params
         result = check_outputs(llm.generate(prompts, params, use_tqdm=False), params)
         accepted = sum(m.value for m in llm.get_metrics()
                        if m.name == "vllm:spec_decode_num_accepted_tokens")
