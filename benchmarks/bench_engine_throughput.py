@@ -95,7 +95,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float)
     parser.add_argument("--isolate", action="store_true", help="One subprocess per engine.")
     parser.add_argument("--interleave", action="store_true",
-                        help="Keep every engine alive side by side (stock in a subprocess) and "
+                        help="Keep every engine alive side by side (each in a subprocess) and "
                         "alternate their rounds.")
     parser.add_argument("--pin", type=int, metavar="N",
                         help="--interleave: run every engine on the same N fastest CPUs (2 for "
