@@ -1,6 +1,6 @@
 """Speculative decoding with masks, end to end on CPU, on both runners: ngram drafts on vLLM's V1
 runner, and EAGLE drafts on Model Runner V2 (a tiny draft that proposes its input token again:
-``draft_models.py``); the rejection samplers' and our kernels run under the Triton interpreter.
+``tiny_variants.py``); the rejection samplers' and our kernels run under the Triton interpreter.
 
 A speculative step samples several tokens per request; each gets the row of the distribution it
 came from: a draft position's target distribution as rejection sampling used it (accepted draft
@@ -29,7 +29,7 @@ def llm(request: pytest.FixtureRequest, tiny_model_dir: str, pytestconfig: pytes
     if request.param == "ngram-v1":
         speculative = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     else:
-        from draft_models import build_tiny_eagle_draft
+        from tiny_variants import build_tiny_eagle_draft
 
         draft = build_tiny_eagle_draft(
             tiny_model_dir, pytestconfig.cache.mkdir("vllm_sampling_mask_eagle_draft"))

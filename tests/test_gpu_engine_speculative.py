@@ -1,7 +1,7 @@
 """Speculative decoding with masks on Model Runner V2, on a real GPU through real vLLM (``gpu``
 marker; run on the H200 in a pytest invocation of its own).
 
-EAGLE drafts from ``draft_models.build_tiny_eagle_draft`` (a draft that proposes its input token
+EAGLE drafts from ``tiny_variants.build_tiny_eagle_draft`` (a draft that proposes its input token
 again, sharing the target's embeddings and lm_head), the mixed workload of the other GPU tests
 plus prompts that repeat a pattern: every token's row is checked against the processed logprobs
 vLLM returns for it, draft positions included, and some drafts must be accepted.
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from draft_models import build_tiny_eagle_draft
+from tiny_variants import build_tiny_eagle_draft
 from gpu_workloads import check_outputs, mixed_requests, repeating_pattern_requests
 
 pytestmark = pytest.mark.gpu

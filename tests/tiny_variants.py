@@ -1,4 +1,6 @@
-"""A tiny EAGLE draft for the tiny target model (speculative decoding on Model Runner V2).
+"""Variants of the tiny test model, built locally: an EAGLE draft for it (speculative decoding
+on Model Runner V2) and a tiny Qwen3-MoE with its tokenizer (a model family vLLM 0.26 runs on its
+V1 runner).
 
 vLLM 0.26 loads an EAGLE-1 draft as ``EagleLlamaForCausalLM`` (``llama_eagle.py``): its
 ``config.json`` is a plain Llama config (``EAGLEConfig`` renames the architecture when
@@ -11,6 +13,7 @@ decoder layer without ``input_layernorm`` (vLLM's layer 0 skips it) and no final
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 
@@ -66,4 +69,28 @@ def build_tiny_eagle_draft(target_dir: str | Path, out_dir: str | Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file({name: w.float().contiguous() for name, w in weights.items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def build_tiny_moe(target_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write (or reuse) a random-weight Qwen3-MoE (2 layers, 8 experts, top-2) with
+    ``target_dir``'s vocabulary and tokenizer in ``out_dir``; returns the directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    out = Path(out_dir)
+    if (out / "tokenizer.json").exists():  # copied last
+        return out
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    config = Qwen3MoeConfig(
+        vocab_size=target["vocab_size"], hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, max_position_embeddings=2048, tie_word_embeddings=True,
+        **{key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for path in Path(target_dir).iterdir():
+        if "token" in path.name or path.suffix == ".jinja":
+            shutil.copy(path, out / path.name)
     return out
