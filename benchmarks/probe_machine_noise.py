@@ -62,17 +62,25 @@ def one_cpu_per_core() -> list[int]:
     return chosen
 
 
-def fastest_cpus(count: int, reps: int = 5) -> tuple[list[int], dict[str, float]]:
-    """The ``count`` allowed logical CPUs that run ``python_loop`` fastest (median of ``reps``),
-    and every CPU's median seconds. This process's affinity is restored afterwards."""
+def loop_seconds_per_cpu(cpus: list[int], reps: int) -> dict[int, list[float]]:
+    """``python_loop``'s seconds, ``reps`` times on each of ``cpus`` in turn (this process
+    pinned to it); the process's affinity is restored afterwards."""
     allowed = os.sched_getaffinity(0)
-    speed = {}
+    samples = {}
     try:
-        for cpu in sorted(allowed):
+        for cpu in cpus:
             os.sched_setaffinity(0, {cpu})
-            speed[cpu] = statistics.median(timed(python_loop, reps))
+            samples[cpu] = timed(python_loop, reps)
     finally:
         os.sched_setaffinity(0, allowed)
+    return samples
+
+
+def fastest_cpus(count: int, reps: int = 5) -> tuple[list[int], dict[str, float]]:
+    """The ``count`` allowed logical CPUs that run ``python_loop`` fastest (median of ``reps``),
+    and every CPU's median seconds."""
+    samples = loop_seconds_per_cpu(sorted(os.sched_getaffinity(0)), reps)
+    speed = {cpu: statistics.median(seconds) for cpu, seconds in samples.items()}
     chosen = sorted(sorted(speed, key=speed.get)[:count])
     return chosen, {str(cpu): seconds for cpu, seconds in speed.items()}
 
@@ -95,12 +103,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"cpus": sorted(os.sched_getaffinity(0)),
                               "one_cpu_per_core": one_cpu_per_core()}
     report["cpu"] = summary(timed(python_loop, args.reps))
-    allowed = os.sched_getaffinity(0)
-    per_core = {}
-    for cpu in report["one_cpu_per_core"]:
-        os.sched_setaffinity(0, {cpu})
-        per_core[str(cpu)] = summary(timed(python_loop, max(5, args.reps // 20)))
-    os.sched_setaffinity(0, allowed)
+    per_core = {str(cpu): summary(seconds) for cpu, seconds in loop_seconds_per_cpu(
+        report["one_cpu_per_core"], max(5, args.reps // 20)).items()}
     report["cpu_pinned"] = per_core
     try:
         import torch
