@@ -10,8 +10,8 @@
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh http
 #
 #   jit       FlashInfer's JIT (sampling + top-k kernels: 4-8 min on a new machine, cached in
-#             ~/.cache/flashinfer for the next calls on the same machine), its cache left in
-#             $OUT for .vstage4 (below): the first call on a new machine
+#             ~/.cache/flashinfer for the next calls on the same machine), the two libraries
+#             left in $OUT for .vstage4 (below): the first call on a new machine without them
 #   verify    the MRV2 GPU tests (they JIT the top-k themselves if `jit` did not run), the
 #             compaction and host unpack at top_k 50 and with every row wider than the width
 #             cap                                                                    (~5 min)
@@ -61,18 +61,19 @@ bench() {
 
 compiled=(--no-enforce-eager)
 tests_path="$PWD:$PWD/tests:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
-# FlashInfer's JIT cache (~25 MB of kernels built with the machine's nvcc) is valid on every
-# machine of this kind: `jit` also leaves it in $out as parts of <= 15 MB. Copied into a
-# git-ignored .vstage4/ here and carried (alone: the carry limit is 64 MiB), it is unpacked
-# before any group, meant to turn the ~4 min JIT step into a cache hit. The unpacked files are
-# touched: FlashInfer's ninja build rebuilds any object older than its sources, which setup.sh
-# installed at this machine's time (a first try without the touch, 2026-12-01: the host-overhead
-# benchmark sat silent for its whole 200 s limit after import, as a JIT build does).
-# Not yet seen working on a new machine.
-if compgen -G ".vstage4/flashinfer_jit.tgz.part-*" > /dev/null; then
-  mkdir -p ~/.cache && cat .vstage4/flashinfer_jit.tgz.part-* | tar xzf - -C ~/.cache \
-    && find ~/.cache/flashinfer -type f -exec touch {} + \
-    && echo "== flashinfer JIT cache unpacked from .vstage4"
+# FlashInfer's sampling and top-k kernels, built once on this kind of machine by `jit` (below),
+# can skip the JIT on a new machine: FlashInfer loads a module from its AOT directory
+# (flashinfer/data/aot/<name>/<name>.so) without ninja when the file is there. `jit` leaves
+# both libraries in $out as <name>.so.xz (~8 MB); copied into a git-ignored .vstage4/ here and
+# carried (with .vstage1 it fits the 64 MiB carry limit), they are installed before any group.
+# (A copy of the whole JIT cache did not work: ninja rebuilt it against this machine's paths.)
+if compgen -G ".vstage4/*.so.xz" > /dev/null; then
+  aot=$(python3 -c "import importlib.util as u; print(u.find_spec('flashinfer').submodule_search_locations[0])")/data/aot
+  for packed in .vstage4/*.so.xz; do
+    name=$(basename "$packed" .so.xz)
+    mkdir -p "$aot/$name" && xz -dc "$packed" > "$aot/$name/$name.so"
+  done
+  echo "== flashinfer AOT modules installed from .vstage4: $(ls "$aot")"
 fi
 
 flashinfer_jit() {
@@ -85,8 +86,10 @@ dtype=torch.int32), torch.full((4,), 0.9, device='cuda')); print('flashinfer JIT
 case "${1:-}" in
   jit)
     flashinfer_jit
-    tar czf - -C ~/.cache flashinfer | split -b 15M - "$out/flashinfer_jit.tgz.part-"
-    ls -l "$out"/flashinfer_jit.tgz.part-*
+    for so in ~/.cache/flashinfer/*/*/cached_ops/{topk,sampling}/*.so; do
+      xz -T0 -9 -c "$so" > "$out/$(basename "$so").xz"
+    done
+    ls -l "$out"/*.so.xz
     ;;
   verify)
     PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
