@@ -3,15 +3,15 @@ per-step functions and of the plugin's, in an in-process engine.
 
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` puts the engine core in this process (frontend and engine
 core then share one thread, so the totals are not ``bench_engine_throughput``'s; the
-per-function costs are). For each config (``off``, ``on``; one engine after the other) and each
-batch size: ``--reps`` generates of ``--output-len`` tokens (same prompts and sampling as
+per-function costs are). For each config (``off``, ``on``, ``optout``; one engine after the
+other) and each batch size: ``--reps`` generates of ``--output-len`` tokens (same prompts and sampling as
 ``bench_engine_throughput``), with wall timers around::
 
     EngineCore.step / step_with_batch_queue   Scheduler.schedule / update_from_output
     GPUModelRunner.execute_model / sample_tokens   Sampler.__call__ / sample
     AsyncOutput.__init__ / get_output   OutputProcessor.process_outputs
-    compact_support (kernel launches)   DeviceStepMasks.copy_to_host_nonblocking
-    HostStepMasks.unpack
+    sample_from_candidates / compact_step (kernel launches)
+    DeviceStepMasks.copy_to_host_nonblocking   HostStepMasks.unpack
 
 reported in ms per step (the timers nest: ``step`` contains most of the others). ``--cprofile``
 adds the top functions by own time of one more round; ``--cuda-profile`` the CUDA kernels of one
@@ -53,7 +53,8 @@ TIMED_FUNCTIONS = (
     ("vllm.v1.worker.gpu.async_utils", "AsyncOutput", "__init__"),
     ("vllm.v1.worker.gpu.async_utils", "AsyncOutput", "get_output"),
     ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
-    ("vllm_sampling_mask.worker.sampler", None, "compact_support"),
+    ("vllm_sampling_mask.worker.sampler", None, "sample_from_candidates"),
+    ("vllm_sampling_mask.worker.sampler", None, "compact_step"),
     ("vllm_sampling_mask.worker.step_masks", "DeviceStepMasks", "copy_to_host_nonblocking"),
     ("vllm_sampling_mask.worker.step_masks", "HostStepMasks", "unpack"),
 )

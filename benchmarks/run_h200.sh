@@ -20,7 +20,9 @@
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled       (~7 min)
 #   v1        the V1-runner GPU tests, ngram speculative decoding included           (~5 min)
-#   spec      EAGLE speculative decoding on Model Runner V2 (GPU test; not timed yet)
+#   spec      EAGLE speculative decoding on Model Runner V2: stock's engine start, the GPU test
+#   families  the MoE GPU test and its stock / on throughput (carry .vstage5: MoE kernels)
+#   profile   host time per step by function at B=256: off, optout, on (in-process engines)
 #   paths     step costs of the sampling paths                                      (~1 min)
 #
 # Each step writes <step>.json and <step>.log under $OUT (default bench_out/) and runs under its
@@ -116,14 +118,44 @@ case "${1:-}" in
       step gpu_tests_v1 420 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
     ;;
   spec)
-    PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+    # Twice (2026-12-02) this engine sat silent after "Using V2 Model Runner" until the limit.
+    # Spawned engine processes (not forked) import tests/hang_dump's sitecustomize, which dumps
+    # every thread's stack after HANG_DUMP_S seconds; the same EAGLE engine without this plugin
+    # first tells whether stock vLLM starts it.
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn HANG_DUMP_S=150
+    PYTHONPATH="$PWD/tests/hang_dump:$tests_path" VLLM_PLUGINS="" step eagle_stock_start 240 \
+      python3 -c "from tiny_variants import build_tiny_eagle_draft as b; from vllm import LLM; \
+llm = LLM('/root/models/qwen3-0.6b', speculative_config={'method': 'eagle', 'model': \
+str(b('/root/models/qwen3-0.6b', '/tmp/eagle_draft')), 'num_speculative_tokens': 3}, \
+max_num_seqs=128, max_model_len=4096, gpu_memory_utilization=0.5, enforce_eager=True); \
+print('stock EAGLE engine started:', llm.generate(['hello'])[0].outputs[0].token_ids[:4])"
+    PYTHONPATH="$PWD/tests/hang_dump:$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
       step gpu_tests_spec 300 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_speculative.py
+    ;;
+  families)
+    # vLLM's MoE kernels and compressed-tensors (imported by its MoE layers), left out of the
+    # slim build: .vstage5 (moe_C.so.xz, compressed_tensors and loguru wheels), carried alone.
+    site=$(python3 -c "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])")/..
+    if [ -f .vstage5/moe_C.so.xz ]; then
+      xz -dc .vstage5/moe_C.so.xz > "$site/vllm/_moe_C_stable_libtorch.abi3.so"
+      python3 -m pip install -q --no-index --no-deps --target "$site" .vstage5/*.whl 2>&1 \
+        | grep -v "WARNING: Target directory" || true
+    fi
+    PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+      step gpu_tests_families 300 python3 -m pytest -q -s -m gpu tests/test_gpu_model_families.py
+    bench bench_engine_throughput engine_moe 240 --model /root/models/qwen3-moe-tiny \
+      --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 4
+    ;;
+  profile)
+    # Where the mask engine's ~5% at B=256 goes (pooled interleaved rounds: optout costs it too)
+    bench profile_engine_step profile_b256 300 --no-enforce-eager --configs off,optout,on \
+      --batch-sizes 256 --reps 4 --cprofile 40
     ;;
   paths)
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|v1|spec|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|v1|spec|families|profile|paths" >&2
     exit 2
     ;;
 esac

@@ -22,3 +22,38 @@ def test_host_overhead_smoke_run(subprocess_env: dict[str, str], tmp_path: Path)
     assert set(report["per_process_ms"]) == {"engine_core", "frontend"}
     assert {"unpack", "unpack_overflow", "scheduler", "frontend", "attach"} <= set(report["results"])
     assert report["target_met"] is None  # --small: fewer requests than the targets' 512
+
+
+def test_pool_paired_rounds_pairs_each_round_with_the_baselines() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    from pool_paired_rounds import pool
+
+    def run(stock: list[float], on: list[float]) -> dict:
+        def engine(values: list[float]) -> dict:
+            return {"by_batch": {"64": {"rounds": [{"tokens_per_s": v} for v in values]}}}
+        return {"results": {"stock": engine(stock), "on": engine(on)}}
+
+    # Round r of on is 0.9x round r of stock although the rounds themselves drift 2x.
+    reports = [run([100, 200, 150], [90, 180, 135]), run([50, 80], [45, 72]),
+               {"results": {"stock": run([1], [1])["results"]["stock"]}}]  # no "on": skipped
+    pooled = pool(reports, ["on", "optout"], "stock")
+    assert list(pooled) == ["on/stock"]
+    summary = pooled["on/stock"]["64"]
+    assert summary["pairs"] == 5
+    for key in ("median", "median_low", "median_high", "geometric_mean"):
+        assert abs(summary[key] - 0.9) < 1e-9, (key, summary)
+
+
+def test_profile_engine_step_times_functions_that_exist() -> None:
+    # A renamed function would make the profile fail at its start on the GPU machine.
+    import importlib
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from profile_engine_step import TIMED_FUNCTIONS
+
+    for module_name, class_name, attr in TIMED_FUNCTIONS:
+        owner = importlib.import_module(module_name)
+        if class_name is not None:
+            owner = getattr(owner, class_name)
+        if attr != "step_with_batch_queue":  # only on versions that have it
+            assert callable(getattr(owner, attr)), (module_name, class_name, attr)

@@ -72,9 +72,12 @@ def build_tiny_eagle_draft(target_dir: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
-def build_tiny_moe(target_dir: str | Path, out_dir: str | Path) -> Path:
+def build_tiny_moe(target_dir: str | Path, out_dir: str | Path, hidden_size: int = 64,
+                   head_dim: int = 32) -> Path:
     """Write (or reuse) a random-weight Qwen3-MoE (2 layers, 8 experts, top-2) with
-    ``target_dir``'s vocabulary and tokenizer in ``out_dir``; returns the directory."""
+    ``target_dir``'s vocabulary and tokenizer in ``out_dir``; returns the directory.
+    ``hidden_size`` and ``head_dim`` set the widths: small for the CPU tests, larger on the
+    GPU (vLLM's fused-MoE kernels tile the expert widths; FlashAttention wants head_dim >= 64)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -83,10 +86,11 @@ def build_tiny_moe(target_dir: str | Path, out_dir: str | Path) -> Path:
         return out
     target = json.loads((Path(target_dir) / "config.json").read_text())
     config = Qwen3MoeConfig(
-        vocab_size=target["vocab_size"], hidden_size=64, intermediate_size=128,
-        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
-        decoder_sparse_step=1, max_position_embeddings=2048, tie_word_embeddings=True,
+        vocab_size=target["vocab_size"], hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size // 2,
+        num_hidden_layers=2, num_attention_heads=hidden_size // head_dim, num_key_value_heads=1,
+        head_dim=head_dim, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, max_position_embeddings=4096, tie_word_embeddings=True,
         **{key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
