@@ -120,6 +120,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int)
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--logprobs", type=int, help="SamplingParams.logprobs (default None).")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
