@@ -20,7 +20,7 @@
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled       (~7 min)
 #   v1        the V1-runner GPU tests, ngram speculative decoding included           (~5 min)
-#   spec      EAGLE speculative decoding on Model Runner V2: stock's engine start, the GPU test
+#   spec      EAGLE speculative decoding on Model Runner V2, the GPU test
 #   families  the MoE GPU test and its stock / on throughput (carry .vstage5: MoE kernels)
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
 #   paths     step costs of the sampling paths                                      (~1 min)
@@ -118,18 +118,9 @@ case "${1:-}" in
       step gpu_tests_v1 420 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
     ;;
   spec)
-    # Twice (2026-12-02) this engine sat silent after "Using V2 Model Runner" until the limit.
-    # Spawned engine processes (not forked) import tests/hang_dump's sitecustomize, which dumps
-    # every thread's stack after HANG_DUMP_S seconds; the same EAGLE engine without this plugin
-    # first tells whether stock vLLM starts it.
-    export VLLM_WORKER_MULTIPROC_METHOD=spawn HANG_DUMP_S=150
-    PYTHONPATH="$PWD/tests/hang_dump:$tests_path" VLLM_PLUGINS="" step eagle_stock_start 240 \
-      python3 -c "from tiny_variants import build_tiny_eagle_draft as b; from vllm import LLM; \
-llm = LLM('/root/models/qwen3-0.6b', speculative_config={'method': 'eagle', 'model': \
-str(b('/root/models/qwen3-0.6b', '/tmp/eagle_draft')), 'num_speculative_tokens': 3}, \
-max_num_seqs=128, max_model_len=4096, gpu_memory_utilization=0.5, enforce_eager=True); \
-print('stock EAGLE engine started:', llm.generate(['hello'])[0].outputs[0].token_ids[:4])"
-    PYTHONPATH="$PWD/tests/hang_dump:$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+    # tests/hang_dump: every Python process still running after HANG_DUMP_S seconds writes its
+    # threads' stacks to the log (the test spawns its engine processes, so they get it too).
+    PYTHONPATH="$PWD/tests/hang_dump:$tests_path" HANG_DUMP_S=250 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
       step gpu_tests_spec 300 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_speculative.py
     ;;
   families)

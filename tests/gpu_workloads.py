@@ -8,10 +8,12 @@ from typing import Any
 from mask_invariants import check_completion
 
 
-def mixed_requests(num_requests: int, seed: int = 0) -> tuple[list[Any], list[Any]]:
+def mixed_requests(num_requests: int, seed: int = 0,
+                   speculative: bool = False) -> tuple[list[Any], list[Any]]:
     """``(prompts, params)``: 1 in 8 prompts exceeds a 2048-token budget (chunked prefill), half
     share a 512-token prefix (prefix caching); top_k 20/50/64 with top_p 1/0.95/0.8, some
-    min_p, presence penalties, seeds and stop tokens; logprobs cover each row (top_k + 8)."""
+    min_p, presence penalties, seeds and stop tokens; logprobs cover each row (top_k + 8).
+    ``speculative``: no min_p (vLLM 0.26 refuses it under speculative decoding)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -25,7 +27,7 @@ def mixed_requests(num_requests: int, seed: int = 0) -> tuple[list[Any], list[An
         top_k = [20, 50, 64][i % 3]
         params.append(SamplingParams(
             temperature=[1.0, 0.8][i % 2], top_k=top_k, top_p=[1.0, 0.95, 0.8][i % 3],
-            min_p=0.02 if i % 5 == 0 else 0.0, presence_penalty=0.3 if i % 7 == 0 else 0.0,
+            min_p=0.02 if i % 5 == 0 and not speculative else 0.0, presence_penalty=0.3 if i % 7 == 0 else 0.0,
             logprobs=top_k + 8, max_tokens=rng.randrange(32, 192), seed=i if i % 4 == 0 else None,
             stop_token_ids=[rng.randrange(100, 8000) for _ in range(20)] if i % 6 == 0 else None))
     return prompts, params

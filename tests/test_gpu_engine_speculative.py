@@ -21,12 +21,16 @@ pytestmark = pytest.mark.gpu
 MODEL = os.environ.get("SAMPLING_MASK_GPU_MODEL", "/root/models/qwen3-0.6b")
 
 
-def test_mrv2_eagle_speculative_decoding(tmp_path) -> None:
+def test_mrv2_eagle_speculative_decoding(tmp_path, monkeypatch) -> None:
     if not os.path.isdir(MODEL):  # a GPU test that does not run is a failure, never a skip
         pytest.fail(f"GPU model {MODEL} not found (set SAMPLING_MASK_GPU_MODEL)")
     from vllm import LLM
 
     draft = build_tiny_eagle_draft(MODEL, tmp_path / "eagle_draft")
+    # The draft was just built with torch on the CPU in this process; an engine core forked
+    # after that sat silent after "Using V2 Model Runner" on the H200 (twice, 2026-12-02), a
+    # spawned one started at once.
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     llm = LLM(MODEL, return_sampling_mask=True, logprobs_mode="processed_logprobs",
               speculative_config={"method": "eagle", "model": str(draft),
                                   "num_speculative_tokens": 3},
@@ -35,7 +39,7 @@ def test_mrv2_eagle_speculative_decoding(tmp_path) -> None:
               enforce_eager=os.environ.get("SAMPLING_MASK_GPU_EAGER", "1") == "1")
     try:
         assert llm.llm_engine.vllm_config.use_v2_model_runner
-        prompts, params = mixed_requests(64, seed=7)
+        prompts, params = mixed_requests(64, seed=7, speculative=True)
         pattern_prompts, pattern_params = repeating_pattern_requests(64, top_k=4, logprobs=12)
         prompts += pattern_prompts
         params += pattern_params

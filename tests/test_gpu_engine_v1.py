@@ -122,7 +122,7 @@ def test_v1_ngram_speculative_decoding() -> None:
               gpu_memory_utilization=0.25, disable_log_stats=False,
               enforce_eager=os.environ.get("SAMPLING_MASK_GPU_EAGER", "1") == "1")
     try:
-        prompts, params = mixed_requests(64, seed=5)
+        prompts, params = mixed_requests(64, seed=5, speculative=True)
         pattern_prompts, pattern_params = repeating_pattern_requests(64, top_k=20, logprobs=28)
         prompts += pattern_prompts
         params += pattern_params

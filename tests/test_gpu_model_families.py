@@ -27,13 +27,16 @@ MOE_MODEL = os.environ.get("SAMPLING_MASK_GPU_MOE_MODEL", "/root/models/qwen3-mo
 NUM_REQUESTS = 256
 
 
-def test_moe_rows_on_the_runner_vllm_picks() -> None:
+def test_moe_rows_on_the_runner_vllm_picks(monkeypatch) -> None:
     if not os.path.isdir(MODEL):  # a GPU test that does not run is a failure, never a skip
         pytest.fail(f"GPU model {MODEL} not found (set SAMPLING_MASK_GPU_MODEL)")
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
     moe = str(build_tiny_moe(MODEL, Path(MOE_MODEL), hidden_size=512, head_dim=64))
+    # Built with torch on the CPU in this process: spawn the engine core (a forked one hung
+    # after such work in test_gpu_engine_speculative.py).
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     options = dict(max_num_seqs=NUM_REQUESTS, max_model_len=4096, max_logprobs=80, seed=0,
                    gpu_memory_utilization=0.5, disable_log_stats=False,
                    enforce_eager=os.environ.get("SAMPLING_MASK_GPU_EAGER", "1") == "1")
