@@ -1,6 +1,6 @@
 """Variants of the tiny test model, built locally: an EAGLE draft for it (speculative decoding
-on Model Runner V2) and a tiny Qwen3-MoE with its tokenizer (a model family vLLM 0.26 runs on its
-V1 runner).
+on Model Runner V2), a tiny Qwen3-MoE and a tiny hybrid Qwen3-Next with its tokenizer (model
+families vLLM 0.26 runs on its V1 runner).
 
 vLLM 0.26 loads an EAGLE-1 draft as ``EagleLlamaForCausalLM`` (``llama_eagle.py``): its
 ``config.json`` is a plain Llama config (``EAGLEConfig`` renames the architecture when
@@ -94,6 +94,48 @@ def build_tiny_moe(target_dir: str | Path, out_dir: str | Path, hidden_size: int
         **{key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for path in Path(target_dir).iterdir():
+        if "token" in path.name or path.suffix == ".jinja":
+            shutil.copy(path, out / path.name)
+    return out
+
+
+def build_tiny_hybrid(target_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write (or reuse) a random-weight Qwen3-Next (three Gated DeltaNet layers, then one
+    attention layer; 8 experts, top-2) with ``target_dir``'s vocabulary and tokenizer in
+    ``out_dir``, in bfloat16; returns the directory.
+
+    vLLM 0.26's CPU Gated DeltaNet kernels need head widths that are multiples of 32 and a
+    bfloat16 model (their float32 path fails); its Qwen3-Next keeps ``lm_head`` separate, so the
+    embeddings are not tied (a tied checkpoint leaves vLLM's ``lm_head`` unloaded: every logit
+    equal). The gated norm's weight starts at one and the zero-centred norms' at small random
+    values, so the random model's logits differ from token to token.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    out = Path(out_dir)
+    if (out / "tokenizer.json").exists():  # copied last
+        return out
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    config = Qwen3NextConfig(
+        vocab_size=target["vocab_size"], hidden_size=64, intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=4096, tie_word_embeddings=False,
+        **{key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                parameter.fill_(1.0)
+            elif name.endswith("norm.weight"):
+                parameter.normal_(0.0, 0.1)
+    model.to(torch.bfloat16).save_pretrained(out)
     for path in Path(target_dir).iterdir():
         if "token" in path.name or path.suffix == ".jinja":
             shutil.copy(path, out / path.name)
