@@ -4,8 +4,8 @@ per-step functions and of the plugin's, in an in-process engine.
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` puts the engine core in this process (frontend and engine
 core then share one thread, so the totals are not ``bench_engine_throughput``'s; the
 per-function costs are). For each config (``off``, ``on``, ``optout``; one engine after the
-other) and each batch size: ``--reps`` generates of ``--output-len`` tokens (same prompts and sampling as
-``bench_engine_throughput``), with wall timers around::
+other) and each batch size: ``--reps`` generates of ``--output-len`` tokens (same prompts and
+sampling as ``bench_engine_throughput``), with wall timers around::
 
     EngineCore.step / step_with_batch_queue   Scheduler.schedule / update_from_output
     GPUModelRunner.execute_model / sample_tokens   Sampler.__call__ / sample

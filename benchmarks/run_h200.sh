@@ -124,8 +124,8 @@ case "${1:-}" in
       step gpu_tests_spec 300 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_speculative.py
     ;;
   families)
-    # vLLM's MoE kernels and compressed-tensors (imported by its MoE layers), left out of the
-    # slim build: .vstage5 (moe_C.so.xz, compressed_tensors and loguru wheels), carried alone.
+    # vLLM's MoE kernels and compressed-tensors, which the slim build leaves out: .vstage5
+    # (moe_C.so.xz, the compressed_tensors and loguru wheels; benchmarks/README), carried alone.
     site=$(python3 -c "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])")/..
     if [ -f .vstage5/moe_C.so.xz ]; then
       xz -dc .vstage5/moe_C.so.xz > "$site/vllm/_moe_C_stable_libtorch.abi3.so"

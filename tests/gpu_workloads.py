@@ -27,7 +27,8 @@ def mixed_requests(num_requests: int, seed: int = 0,
         top_k = [20, 50, 64][i % 3]
         params.append(SamplingParams(
             temperature=[1.0, 0.8][i % 2], top_k=top_k, top_p=[1.0, 0.95, 0.8][i % 3],
-            min_p=0.02 if i % 5 == 0 and not speculative else 0.0, presence_penalty=0.3 if i % 7 == 0 else 0.0,
+            min_p=0.02 if i % 5 == 0 and not speculative else 0.0,
+            presence_penalty=0.3 if i % 7 == 0 else 0.0,
             logprobs=top_k + 8, max_tokens=rng.randrange(32, 192), seed=i if i % 4 == 0 else None,
             stop_token_ids=[rng.randrange(100, 8000) for _ in range(20)] if i % 6 == 0 else None))
     return prompts, params

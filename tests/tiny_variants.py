@@ -106,10 +106,10 @@ def build_tiny_hybrid(target_dir: str | Path, out_dir: str | Path) -> Path:
     ``out_dir``, in bfloat16; returns the directory.
 
     vLLM 0.26's CPU Gated DeltaNet kernels need head widths that are multiples of 32 and a
-    bfloat16 model (their float32 path fails); its Qwen3-Next keeps ``lm_head`` separate, so the
-    embeddings are not tied (a tied checkpoint leaves vLLM's ``lm_head`` unloaded: every logit
-    equal). The gated norm's weight starts at one and the zero-centred norms' at small random
-    values, so the random model's logits differ from token to token.
+    bfloat16 model (their float32 path fails). The embeddings are not tied: with a tied
+    checkpoint every logit came out equal in vLLM (its ``lm_head`` apparently left unloaded),
+    though not in transformers. The gated norm's weight starts at one and the zero-centred
+    norms' at small random values, so the random model's logits differ from token to token.
     """
     import torch
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
