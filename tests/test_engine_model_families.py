@@ -1,8 +1,11 @@
-"""Masks for model families beyond the dense tiny model, end to end on CPU, on the runner vLLM
-0.26 picks for each with and without the switch (the V1 runner for both), every row checked
-against vLLM's processed logprobs: a random-weight Qwen3-MoE (8 experts, top-2;
-``tiny_variants.build_tiny_moe``) and a hybrid Qwen3-Next (Gated DeltaNet and attention layers,
-MoE; ``tiny_variants.build_tiny_hybrid``)."""
+"""Masks for a model family beyond the dense tiny model, end to end on CPU, on the runner vLLM
+0.26 picks for it with and without the switch (the V1 runner), every row checked against vLLM's
+processed logprobs: a random-weight hybrid Qwen3-Next (Gated DeltaNet and attention layers, sparse
+MoE blocks; ``tiny_variants.build_tiny_hybrid``).
+
+It covers vLLM's fused-MoE layer too, so the plain Qwen3-MoE (``build_tiny_moe``, which passed
+here in the same way) runs only on the GPU (``test_gpu_model_families.py``): each CPU engine
+costs CI about a minute."""
 
 from __future__ import annotations
 
@@ -10,29 +13,23 @@ import pytest
 
 from engine_cases import generate
 from mask_invariants import check_completion
-from tiny_variants import build_tiny_hybrid, build_tiny_moe
+from tiny_variants import build_tiny_hybrid
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = {
-    "moe": (build_tiny_moe, dict(dtype="float32")),
-    # vLLM's CPU Gated DeltaNet kernel keeps its recurrent state in float32 only.
-    "hybrid": (build_tiny_hybrid, dict(dtype="bfloat16", mamba_ssm_cache_dtype="float32")),
-}
 
-
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_rows_on_the_runner_vllm_picks(family: str, tiny_model_dir: str,
-                                       pytestconfig: pytest.Config) -> None:
+def test_hybrid_model_rows_on_the_runner_vllm_picks(tiny_model_dir: str,
+                                                    pytestconfig: pytest.Config) -> None:
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
 
-    build, family_options = FAMILIES[family]
-    model = str(build(tiny_model_dir, pytestconfig.cache.mkdir(f"vllm_sampling_mask_{family}")))
+    model = str(build_tiny_hybrid(tiny_model_dir,
+                                  pytestconfig.cache.mkdir("vllm_sampling_mask_hybrid")))
+    # vLLM's CPU Gated DeltaNet kernel keeps its recurrent state in float32 only.
     options = dict(enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
-                   max_num_batched_tokens=256, **family_options)
+                   max_num_batched_tokens=256, dtype="bfloat16", mamba_ssm_cache_dtype="float32")
     stock_v2 = EngineArgs(model, **options).create_engine_config().use_v2_model_runner
-    assert not stock_v2  # vLLM 0.26 runs these on its V1 runner
+    assert not stock_v2  # vLLM 0.26 runs hybrid models on its V1 runner
     llm = LLM(model, return_sampling_mask=True, logprobs_mode="processed_logprobs",
               max_logprobs=32, **options)
     try:

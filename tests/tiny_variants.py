@@ -76,7 +76,7 @@ def build_tiny_moe(target_dir: str | Path, out_dir: str | Path, hidden_size: int
                    head_dim: int = 32) -> Path:
     """Write (or reuse) a random-weight Qwen3-MoE (2 layers, 8 experts, top-2) with
     ``target_dir``'s vocabulary and tokenizer in ``out_dir``; returns the directory.
-    ``hidden_size`` and ``head_dim`` set the widths: small for the CPU tests, larger on the
+    ``hidden_size`` and ``head_dim`` set the widths: small by default (CPU), larger on the
     GPU (vLLM's fused-MoE kernels tile the expert widths; FlashAttention wants head_dim >= 64)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
