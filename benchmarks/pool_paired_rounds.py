@@ -8,9 +8,10 @@ reports per batch size the number of pairs, their median with a 95% bootstrap in
 resamples, fixed seed) and their geometric mean::
 
     python benchmarks/pool_paired_rounds.py docs/results/engine_throughput_h200_*.json \\
-        --baseline stock --out bench_out/pooled.json
+        --baseline stock --out bench_out/pooled.json --png bench_out/pooled.png
 
-Files without the baseline or a config are skipped for that config.
+Files without the baseline or a config are skipped for that config. ``--png`` plots the medians
+with their intervals against batch size (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -69,12 +70,47 @@ def pool(reports: list[dict[str, Any]], configs: Sequence[str],
     return pooled
 
 
+def plot(pooled: dict[str, dict[str, dict[str, float]]], out: Path, title: str) -> None:
+    """PNG of each pooled ratio's median pair and 95% interval against batch size."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise SystemExit("--png needs matplotlib: pip install matplotlib") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for shift, (name, by_batch) in zip((0.97, 1.03), pooled.items()):
+        batches = [int(b) for b in by_batch]
+        medians = [v["median"] for v in by_batch.values()]
+        errors = [[v["median"] - v["median_low"] for v in by_batch.values()],
+                  [v["median_high"] - v["median"] for v in by_batch.values()]]
+        ax.errorbar([b * shift for b in batches], medians, yerr=errors, marker="o", capsize=4,
+                    label=f"{name} (median pair, 95% interval)")
+        for b, m in zip(batches, medians):
+            ax.annotate(f"{m:.3f}", (b * shift, m), textcoords="offset points", xytext=(8, -3),
+                        fontsize=8)
+    ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({int(b) for by_batch in pooled.values() for b in by_batch})
+    ax.set_xticks(ticks, [str(b) for b in ticks])
+    ax.set_xlabel("batch size (concurrent requests)")
+    ax.set_ylabel("throughput ratio to stock vLLM + FlashInfer")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--baseline", default="stock")
     parser.add_argument("--configs", default="on,optout")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--png", type=Path, help="Also plot the pooled ratios here.")
     args = parser.parse_args(argv)
     reports = [json.loads(path.read_text()) for path in args.files]
     result = {"files": [str(p) for p in args.files],
@@ -87,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
+    if args.png:
+        pairs = max(v["pairs"] for by_batch in result["pooled"].values() for v in by_batch.values())
+        plot(result["pooled"], args.png, f"{len(reports)} interleaved runs pooled ({pairs} paired "
+             f"rounds per batch size)")
     return result
 
 
