@@ -15,8 +15,8 @@
 #   verify    the MRV2 GPU tests (they JIT the top-k themselves if `jit` did not run), the
 #             compaction and host unpack at top_k 50 and with every row wider than the width
 #             cap                                                                    (~5 min)
-#   engine    stock / on / optout interleaved, each engine in its own process, all pinned to
-#             the same 5 CPUs (--pin 5), compiled, 6 rounds                          (~6 min)
+#   engine    stock / off / on / optout interleaved, each engine in its own process, all
+#             pinned to the same 5 CPUs (--pin 5), compiled, 6 rounds                (~5 min)
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled       (~7 min)
 #   v1        the V1-runner GPU tests, ngram speculative decoding included           (~5 min)
@@ -101,7 +101,9 @@ case "${1:-}" in
       --top-ks 50,4097 --unpack-reps 10
     ;;
   engine)
-    bench bench_engine_throughput engine 420 --configs stock,on,optout --interleave \
+    # off (plugin loaded, switch off: vLLM's own code) is the control: a stock-like engine in
+    # the same layout shows what the layout itself does to a ratio (the ~5% at B=256 pooled).
+    bench bench_engine_throughput engine 480 --configs stock,off,on,optout --interleave \
       --pin 5 "${compiled[@]}" --reps 6
     ;;
   logprobs)
