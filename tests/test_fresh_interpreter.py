@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,9 +39,13 @@ def test_llm_keyword_starts_model_runner_v2_with_masks(tiny_model_dir: str, subp
 
 def test_flag_off_generation_is_identical_with_and_without_the_plugin(
         tiny_model_dir: str, subprocess_env: dict) -> None:
-    without = run_user_script(tiny_model_dir, subprocess_env, plugins=TEST_PLATFORM_PLUGIN)
-    with_plugin = run_user_script(tiny_model_dir, subprocess_env,
-                                  plugins=f"{TEST_PLATFORM_PLUGIN},sampling_mask")
+    # The two interpreters run side by side (each mostly waits on one core at its start).
+    with ThreadPoolExecutor(2) as pool:
+        without_run = pool.submit(run_user_script, tiny_model_dir, subprocess_env,
+                                  plugins=TEST_PLATFORM_PLUGIN)
+        with_run = pool.submit(run_user_script, tiny_model_dir, subprocess_env,
+                               plugins=f"{TEST_PLATFORM_PLUGIN},sampling_mask")
+        without, with_plugin = without_run.result(), with_run.result()
     assert without["applied_patches"] == []
     assert "vllm.engine.arg_utils:EngineArgs.__init__" in with_plugin["applied_patches"]
     assert with_plugin["token_ids"] == without["token_ids"]
