@@ -31,8 +31,9 @@ request (the same process layout for every config), and alternates their rounds,
 same drift of the machine (the ratios of separate runs moved by more than the masks cost).
 
 ``--pin N`` (with ``--interleave``) first times a fixed Python loop on every CPU, takes the N
-fastest and runs every engine on the same ones: its frontend thread(s) on the first two, its
-engine-core process (scheduler, worker, their threads) on the rest. On the lent H200 machine
+fastest and runs every engine on the same ones (all N while it starts, then its frontend
+thread(s) on the first two, its engine-core process (scheduler, worker, their threads) on the
+rest). On the lent H200 machine
 vCPUs run host code at speeds that differ by up to ~1.7x and change over time
 (``probe_machine_noise.py``); without pinning, an engine's hot threads land on whichever vCPUs
 the kernel picks, so two engines of the same round need not run on equally fast ones. The
@@ -341,6 +342,10 @@ def serve_rounds(name: str, args: argparse.Namespace, model: str) -> None:
     def reply(**message: Any) -> None:
         print(REPLY_PREFIX + json.dumps(message), flush=True)
 
+    if args.frontend_cpus and args.core_cpus:
+        # On the same CPUs from the start, so every engine's processes start, and take their
+        # memory, where they will run (the engine core inherits this); split once it exists.
+        os.sched_setaffinity(0, set(args.frontend_cpus) | set(args.core_cpus))
     engine = EngineUnderTest(name, args, model, args.gpu_memory_utilization)
     if args.frontend_cpus and args.core_cpus:
         pinned = pin_process_tree(args.frontend_cpus, args.core_cpus)
