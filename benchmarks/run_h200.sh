@@ -21,7 +21,8 @@
 #   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled       (~7 min)
 #   v1        the V1-runner GPU tests, ngram speculative decoding included           (~5 min)
 #   spec      EAGLE speculative decoding on Model Runner V2, the GPU test
-#   families  the MoE GPU test and its stock / on throughput (carry .vstage5: MoE kernels)
+#   families  the MoE and vision-language GPU tests (carry .vstage5: MoE kernels)
+#   moe       the MoE's stock / on throughput, after `families` on the same machine
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
 #   paths     step costs of the sampling paths                                      (~1 min)
 #
@@ -125,7 +126,7 @@ case "${1:-}" in
     PYTHONPATH="$PWD/tests/hang_dump:$tests_path" HANG_DUMP_S=250 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
       step gpu_tests_spec 300 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_speculative.py
     ;;
-  families)
+  families|moe)
     # vLLM's MoE kernels and compressed-tensors, which the slim build leaves out: .vstage5
     # (moe_C.so.xz, the compressed_tensors and loguru wheels; benchmarks/README), carried alone.
     site=$(python3 -c "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])")/..
@@ -134,10 +135,13 @@ case "${1:-}" in
       python3 -m pip install -q --no-index --no-deps --target "$site" .vstage5/*.whl 2>&1 \
         | grep -v "WARNING: Target directory" || true
     fi
-    PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-      step gpu_tests_families 300 python3 -m pytest -q -s -m gpu tests/test_gpu_model_families.py
-    bench bench_engine_throughput engine_moe 240 --model /root/models/qwen3-moe-tiny \
-      --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 4
+    if [ "$1" = families ]; then
+      PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+        step gpu_tests_families 420 python3 -m pytest -q -s -m gpu tests/test_gpu_model_families.py
+    else  # the MoE model the families test built (same machine)
+      bench bench_engine_throughput engine_moe 300 --model /root/models/qwen3-moe-tiny \
+        --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 4
+    fi
     ;;
   profile)
     # Where the mask engine's ~5% at B=256 goes (pooled interleaved rounds: optout costs it too)
@@ -148,7 +152,7 @@ case "${1:-}" in
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|v1|spec|families|profile|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|v1|spec|families|moe|profile|paths" >&2
     exit 2
     ;;
 esac

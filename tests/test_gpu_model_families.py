@@ -3,10 +3,11 @@ marker; run on the H200 in a pytest invocation of its own: ``run_h200.sh familie
 
 A random-weight Qwen3-MoE (``tiny_variants.build_tiny_moe``, 8 experts, top-2, the target's
 151936-id vocabulary) on the runner vLLM 0.26 picks for it with the switch off (V1), the
-256-request mixed workload of the other GPU tests: every token's row checked against the
-processed logprobs vLLM returns for it. The slim vLLM build of ``shared/device`` needs vLLM's
-MoE kernels (``_moe_C_stable_libtorch.abi3.so``) put back first; ``run_h200.sh`` does that from
-``.vstage5``.
+256-request mixed workload of the other GPU tests; a random-weight Qwen2-VL
+(``tiny_variants.build_tiny_vl``) on Model Runner V2 with an image in every prompt. Every token's
+row is checked against the processed logprobs vLLM returns for it. The slim vLLM build of
+``shared/device`` needs vLLM's MoE kernels (``_moe_C_stable_libtorch.abi3.so``) put back first;
+``run_h200.sh`` does that from ``.vstage5``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from pathlib import Path
 import pytest
 
 from gpu_workloads import check_outputs, mixed_requests
-from tiny_variants import build_tiny_moe
+from tiny_variants import VISION_TOKENS, build_tiny_moe, build_tiny_vl
 
 pytestmark = pytest.mark.gpu
 
 MODEL = os.environ.get("SAMPLING_MASK_GPU_MODEL", "/root/models/qwen3-0.6b")
 MOE_MODEL = os.environ.get("SAMPLING_MASK_GPU_MOE_MODEL", "/root/models/qwen3-moe-tiny")
+VL_MODEL = os.environ.get("SAMPLING_MASK_GPU_VL_MODEL", "/root/models/qwen2-vl-tiny")
 NUM_REQUESTS = 256
 
 
@@ -50,6 +52,41 @@ def test_moe_rows_on_the_runner_vllm_picks(monkeypatch) -> None:
         print("GPU_MOE_SUMMARY " + json.dumps({
             "model": moe, "runner": "MRV2" if use_v2 else "V1", "requests": len(params),
             "tokens": result["tokens"], "violations": len(result["violations"])}), flush=True)
+        assert not result["violations"], dict(list(result["violations"].items())[:5])
+    finally:
+        del llm
+
+
+def test_vision_language_rows_with_image_inputs(monkeypatch) -> None:
+    if not os.path.isdir(MODEL):
+        pytest.fail(f"GPU model {MODEL} not found (set SAMPLING_MASK_GPU_MODEL)")
+    import numpy as np
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    vl = str(build_tiny_vl(MODEL, Path(VL_MODEL)))
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # built in this process, as above
+    llm = LLM(vl, return_sampling_mask=True, logprobs_mode="processed_logprobs",
+              max_num_seqs=64, max_model_len=1024, max_logprobs=80, seed=0,
+              limit_mm_per_prompt={"image": 1}, gpu_memory_utilization=0.3,
+              enforce_eager=os.environ.get("SAMPLING_MASK_GPU_EAGER", "1") == "1")
+    try:
+        assert llm.llm_engine.vllm_config.use_v2_model_runner
+        rng = np.random.default_rng(0)
+        image_prompt = "".join(VISION_TOKENS[i] for i in (0, 2, 1))  # start, image, end
+        prompts, params = [], []
+        for i in range(64):
+            side = int(rng.integers(56, 113))
+            pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+            prompts.append({"prompt": image_prompt + " describe it",
+                            "multi_modal_data": {"image": Image.fromarray(pixels)}})
+            top_k = [12, 40][i % 2]
+            params.append(SamplingParams(temperature=1.0, top_k=top_k, top_p=[1.0, 0.9][i % 3 > 0],
+                                         logprobs=top_k + 8, max_tokens=48, seed=i))
+        result = check_outputs(llm.generate(prompts, params, use_tqdm=False), params)
+        print("GPU_VL_SUMMARY " + json.dumps({
+            "model": vl, "runner": "MRV2", "requests": len(params), "tokens": result["tokens"],
+            "violations": len(result["violations"])}), flush=True)
         assert not result["violations"], dict(list(result["violations"].items())[:5])
     finally:
         del llm

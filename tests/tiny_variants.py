@@ -1,6 +1,7 @@
 """Variants of the tiny test model, built locally: an EAGLE draft for it (speculative decoding
 on Model Runner V2), a tiny Qwen3-MoE and a tiny hybrid Qwen3-Next with its tokenizer (model
-families vLLM 0.26 runs on its V1 runner).
+families vLLM 0.26 runs on its V1 runner), and a tiny Qwen2-VL with an image processor (a
+vision-language model, on Model Runner V2).
 
 vLLM 0.26 loads an EAGLE-1 draft as ``EagleLlamaForCausalLM`` (``llama_eagle.py``): its
 ``config.json`` is a plain Llama config (``EAGLEConfig`` renames the architecture when
@@ -139,4 +140,55 @@ def build_tiny_hybrid(target_dir: str | Path, out_dir: str | Path) -> Path:
     for path in Path(target_dir).iterdir():
         if "token" in path.name or path.suffix == ".jinja":
             shutil.copy(path, out / path.name)
+    return out
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""Qwen2-VL's vision special tokens; a prompt shows an image as
+``<|vision_start|><|image_pad|><|vision_end|>`` (vLLM expands the pad to the image's patches)."""
+
+
+def build_tiny_vl(target_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write (or reuse) a random-weight Qwen2-VL (a one-block vision tower, 2 text layers) with
+    ``target_dir``'s vocabulary and tokenizer plus ``VISION_TOKENS``, an image processor for
+    56x56 to 112x112-pixel images, in ``out_dir``; returns the directory. A dense model: vLLM 0.26
+    runs it on Model Runner V2."""
+    import torch
+    from transformers import (
+        AutoModelForImageTextToText,
+        PreTrainedTokenizerFast,
+        Qwen2VLConfig,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    out = Path(out_dir)
+    if (out / "processor_config.json").exists():  # written last
+        return out
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(target_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
+    if max(ids.values()) >= target["vocab_size"]:
+        raise ValueError(f"{target_dir}: no room in the vocabulary for {VISION_TOKENS}")
+    special = {key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=target["vocab_size"], hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=4096, tie_word_embeddings=True,
+                         rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}, **special),
+        vision_config=dict(depth=1, embed_dim=32, num_heads=2, hidden_size=64, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True, **special)
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)
+    pixels = dict(min_pixels=56 * 56, max_pixels=112 * 112)
+    template = Path(target_dir) / "chat_template.jinja"
+    Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer,
+                     video_processor=Qwen2VLVideoProcessor(**pixels),
+                     chat_template=template.read_text() if template.exists() else None,
+                     ).save_pretrained(out)
     return out
