@@ -73,6 +73,14 @@ def build_tiny_eagle_draft(target_dir: str | Path, out_dir: str | Path) -> Path:
     return out
 
 
+def copy_tokenizer(target_dir: str | Path, out: Path) -> None:
+    """Copy ``target_dir``'s tokenizer files and chat template into ``out`` (last: a builder's
+    done marker is ``tokenizer.json``)."""
+    for path in Path(target_dir).iterdir():
+        if "token" in path.name or path.suffix == ".jinja":
+            shutil.copy(path, out / path.name)
+
+
 def build_tiny_moe(target_dir: str | Path, out_dir: str | Path, hidden_size: int = 64,
                    head_dim: int = 32) -> Path:
     """Write (or reuse) a random-weight Qwen3-MoE (2 layers, 8 experts, top-2) with
@@ -95,9 +103,7 @@ def build_tiny_moe(target_dir: str | Path, out_dir: str | Path, hidden_size: int
         **{key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    for path in Path(target_dir).iterdir():
-        if "token" in path.name or path.suffix == ".jinja":
-            shutil.copy(path, out / path.name)
+    copy_tokenizer(target_dir, out)
     return out
 
 
@@ -137,9 +143,7 @@ def build_tiny_hybrid(target_dir: str | Path, out_dir: str | Path) -> Path:
             elif name.endswith("norm.weight"):
                 parameter.normal_(0.0, 0.1)
     model.to(torch.bfloat16).save_pretrained(out)
-    for path in Path(target_dir).iterdir():
-        if "token" in path.name or path.suffix == ".jinja":
-            shutil.copy(path, out / path.name)
+    copy_tokenizer(target_dir, out)
     return out
 
 
