@@ -10,7 +10,8 @@ resamples, fixed seed) and their geometric mean::
     python benchmarks/pool_paired_rounds.py docs/results/engine_throughput_h200_*.json \\
         --baseline stock --out bench_out/pooled.json --png bench_out/pooled.png
 
-Files without the baseline or a config are skipped for that config. ``--png`` plots the medians
+Files without the baseline or a config, or where either did not run interleaved (the
+``interleaved`` flag of each engine's result), are skipped for that config. ``--png`` plots the medians
 with their intervals against batch size (needs matplotlib).
 """
 
@@ -34,6 +35,8 @@ def paired_log_ratios(report: dict[str, Any], config: str,
     results = report.get("results", {})
     if config not in results or baseline not in results:
         return {}
+    if not (results[config].get("interleaved") and results[baseline].get("interleaved")):
+        return {}  # rounds of engines run one after the other are not pairs
     pairs: dict[str, list[float]] = {}
     for batch, ours in results[config]["by_batch"].items():
         theirs = results[baseline]["by_batch"].get(batch)
@@ -80,7 +83,8 @@ def plot(pooled: dict[str, dict[str, dict[str, float]]], out: Path, title: str) 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for shift, (name, by_batch) in zip((0.97, 1.03), pooled.items()):
+    for index, (name, by_batch) in enumerate(pooled.items()):
+        shift = 1.0 + 0.03 * (index - (len(pooled) - 1) / 2)  # side by side, not on top
         batches = [int(b) for b in by_batch]
         medians = [v["median"] for v in by_batch.values()]
         errors = [[v["median"] - v["median_low"] for v in by_batch.values()],

@@ -63,6 +63,10 @@ bench() {
 }
 
 compiled=(--no-enforce-eager)
+# package_dir NAME: where the installed Python package NAME lives (no import).
+package_dir() {
+  python3 -c "import importlib.util as u; print(u.find_spec('$1').submodule_search_locations[0])"
+}
 tests_path="$PWD:$PWD/tests:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
 # FlashInfer's sampling and top-k kernels, built once on this kind of machine by `jit` (below),
 # can skip the JIT on a new machine: FlashInfer loads a module from its AOT directory
@@ -71,7 +75,7 @@ tests_path="$PWD:$PWD/tests:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
 # carried (with .vstage1 it fits the 64 MiB carry limit), they are installed before any group.
 # (A copy of the whole JIT cache did not work: ninja rebuilt it against this machine's paths.)
 if compgen -G ".vstage4/*.so.xz" > /dev/null; then
-  aot=$(python3 -c "import importlib.util as u; print(u.find_spec('flashinfer').submodule_search_locations[0])")/data/aot
+  aot=$(package_dir flashinfer)/data/aot
   for packed in .vstage4/*.so.xz; do
     name=$(basename "$packed" .so.xz)
     mkdir -p "$aot/$name" && xz -dc "$packed" > "$aot/$name/$name.so"
@@ -129,7 +133,7 @@ case "${1:-}" in
   families|moe)
     # vLLM's MoE kernels and compressed-tensors, which the slim build leaves out: .vstage5
     # (moe_C.so.xz, the compressed_tensors and loguru wheels; benchmarks/README), carried alone.
-    site=$(python3 -c "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])")/..
+    site=$(package_dir vllm)/..
     if [ -f .vstage5/moe_C.so.xz ]; then
       xz -dc .vstage5/moe_C.so.xz > "$site/vllm/_moe_C_stable_libtorch.abi3.so"
       python3 -m pip install -q --no-index --no-deps --target "$site" .vstage5/*.whl 2>&1 \

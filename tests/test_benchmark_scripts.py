@@ -30,12 +30,16 @@ def test_pool_paired_rounds_pairs_each_round_with_the_baselines() -> None:
 
     def run(stock: list[float], on: list[float]) -> dict:
         def engine(values: list[float]) -> dict:
-            return {"by_batch": {"64": {"rounds": [{"tokens_per_s": v} for v in values]}}}
+            return {"interleaved": True,
+                    "by_batch": {"64": {"rounds": [{"tokens_per_s": v} for v in values]}}}
         return {"results": {"stock": engine(stock), "on": engine(on)}}
 
     # Round r of on is 0.9x round r of stock although the rounds themselves drift 2x.
     reports = [run([100, 200, 150], [90, 180, 135]), run([50, 80], [45, 72]),
                {"results": {"stock": run([1], [1])["results"]["stock"]}}]  # no "on": skipped
+    sequential = run([100], [10])
+    sequential["results"]["stock"]["interleaved"] = False  # not pairs: skipped
+    reports.append(sequential)
     pooled = pool(reports, ["on", "optout"], "stock")
     assert list(pooled) == ["on/stock"]
     summary = pooled["on/stock"]["64"]
