@@ -39,6 +39,14 @@ vCPUs run host code at speeds that differ by up to ~1.7x and change over time
 the kernel picks, so two engines of the same round need not run on equally fast ones. The
 report also has ``paired_ratios``: per round, each engine's throughput over stock's (or
 off's) in the same round, their median and range.
+
+``--generations G`` (with ``--interleave``) runs that G times with fresh engine processes
+(their start order rotated), ``--reps`` rounds each. Two engines of the same code kept their
+~7-10% difference through every round of one run on the H200 (``off`` against ``stock``): a
+process draws its speed once, at start, so the rounds of one process are not independent
+samples. ``paired_ratios`` then also has the median pair of each generation and a 95% interval
+from resampling whole generations (``pool_paired_rounds.summarize``). The JSON is written after
+every generation, so a run cut short by a time limit keeps the generations it finished.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import math
 import os
 import shutil
 import statistics
@@ -98,6 +107,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interleave", action="store_true",
                         help="Keep every engine alive side by side (each in a subprocess) and "
                         "alternate their rounds.")
+    parser.add_argument("--generations", type=int, default=1, metavar="G",
+                        help="--interleave: G times, each with fresh engine processes.")
     parser.add_argument("--pin", type=int, metavar="N",
                         help="--interleave: run every engine on the same N fastest CPUs (2 for "
                         "its frontend, the rest for its engine core); N >= 3.")
@@ -120,6 +131,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.config_list = [c for c in CONFIG_ORDER if c in configs]
     if args.pin is not None and (args.pin < 3 or not args.interleave):
         parser.error("--pin N needs --interleave and N >= 3")
+    if args.generations < 1 or (args.generations > 1 and not args.interleave):
+        parser.error("--generations G needs --interleave and G >= 1")
     return args
 
 
@@ -257,7 +270,7 @@ class EngineUnderTest:
                                    "tokens_per_s": tokens / seconds})
         print(f"[{self.name}] B={batch} round {round_index}: {tokens / seconds:,.0f} tok/s "
               f"({tokens} tokens, {seconds:.2f} s)", flush=True)
-        if round_index == self.args.reps - 1:
+        if round_index % self.args.reps == self.args.reps - 1:  # a generation's last round
             self.checks[batch] = check_masks(outputs, on=self.name == "on")
 
     def result(self) -> dict[str, Any]:
@@ -284,7 +297,10 @@ REPLY_PREFIX = "@@bench_engine_throughput@@ "
 
 class EngineProcess:
     """One engine in a subprocess that runs rounds on request, so engines can be interleaved
-    (``stock`` with this plugin not loaded). ``cpus`` = (frontend, engine core) pins it."""
+    (``stock`` with this plugin not loaded). ``cpus`` = (frontend, engine core) pins it. The
+    child imports vLLM at once and builds its engine on ``build()``: the engines of a
+    generation import side by side, and start one after the other (an engine measures the GPU
+    memory free at its start)."""
 
     def __init__(self, name: str, args: argparse.Namespace, argv: Sequence[str],
                  gpu_memory_utilization: float,
@@ -302,7 +318,9 @@ class EngineProcess:
         self.plugins = env.get("VLLM_PLUGINS")
         self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, bufsize=1)
-        self.call("ready")
+
+    def build(self) -> None:
+        self.call("build")
 
     def call(self, command: str) -> Any:
         """Send one command, echo the child's output until its reply, return the reply."""
@@ -336,9 +354,9 @@ class EngineProcess:
 
 
 def serve_rounds(name: str, args: argparse.Namespace, model: str) -> None:
-    """Child of ``EngineProcess``: build the engine (pinned where asked), then run the commands
-    read on stdin (``ready``, ``warm_up``, ``round B R``, ``result``, ``quit``), one reply line
-    each."""
+    """Child of ``EngineProcess``: import vLLM, build the engine (pinned where asked) on
+    ``build``, then run the commands read on stdin (``warm_up``, ``round B R``, ``result``,
+    ``quit``), one reply line each."""
     def reply(**message: Any) -> None:
         print(REPLY_PREFIX + json.dumps(message), flush=True)
 
@@ -346,12 +364,17 @@ def serve_rounds(name: str, args: argparse.Namespace, model: str) -> None:
         # On the same CPUs from the start, so every engine's processes start, and take their
         # memory, where they will run (the engine core inherits this); split once it exists.
         os.sched_setaffinity(0, set(args.frontend_cpus) | set(args.core_cpus))
+    import vllm  # noqa: F401  (the slow part of a start, before the parent's turn comes)
+
+    if sys.stdin.readline().strip() != "build":
+        return
     engine = EngineUnderTest(name, args, model, args.gpu_memory_utilization)
     if args.frontend_cpus and args.core_cpus:
         pinned = pin_process_tree(args.frontend_cpus, args.core_cpus)
         print(f"[{name}] pinned {pinned['frontend_threads']} frontend threads to "
               f"{args.frontend_cpus}, {pinned['core_threads']} engine-core threads to "
               f"{args.core_cpus}", flush=True)
+    reply(value=None)
     try:
         for line in sys.stdin:
             command, *params = line.split()
@@ -386,31 +409,60 @@ def run_config(name: str, args: argparse.Namespace, model: str) -> dict[str, Any
         engine.shutdown()
 
 
-def run_interleaved(names: list[str], args: argparse.Namespace, model: str,
-                    argv: Sequence[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
-    """All ``names`` engines alive at once, each in its own process (with
-    ``--gpu-memory-utilization``, default 0.85 / their number), rounds alternating between them
-    (the order flips every round), so a drift of the machine over time affects every config
-    alike. Returns the results and the CPU pinning (``--pin``)."""
+def run_generation(names: list[str], generation: int, args: argparse.Namespace, model: str,
+                   argv: Sequence[str],
+                   pinning: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """One generation: all ``names`` engines alive at once, each in a fresh process of its own
+    (with ``--gpu-memory-utilization``, default 0.85 / their number; started in an order
+    rotated by ``generation``), rounds ``generation * reps ...`` alternating between them (the
+    order flips every round), so a drift of the machine over time affects every config alike."""
     share = args.gpu_memory_utilization or round(0.85 / len(names), 2)
-    pinning = choose_cpus(args.pin) if args.pin else None
     cpus = (pinning["frontend_cpus"], pinning["core_cpus"]) if pinning else None
+    shift = generation % len(names)
+    start_order = names[shift:] + names[:shift]
     engines: list[EngineProcess] = []
     try:
-        for name in names:
+        for name in start_order:
             engines.append(EngineProcess(name, args, argv, share, cpus))
         for engine in engines:
+            engine.build()
+        for engine in engines:
             engine.warm_up()
-        for r in range(args.reps):
+        for r in range(generation * args.reps, (generation + 1) * args.reps):
             for b in args.batch_sizes:
                 for engine in (engines if r % 2 == 0 else engines[::-1]):
                     engine.run_round(b, r)
-        results = {e.name: e.result() | {"isolated": True, "interleaved": True,
-                                         "gpu_memory_utilization": share} for e in engines}
-        return results, pinning
+        return {e.name: e.result() | {"isolated": True, "interleaved": True,
+                                      "gpu_memory_utilization": share} for e in engines}
     finally:
         for engine in engines:
             engine.shutdown()
+        free_gpu_memory()
+
+
+def merge_generations(generations: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One result per engine from its generations' results: every round (tagged with its
+    ``generation``), medians and best rounds over all of them, the mask checks of all."""
+    merged: dict[str, dict[str, Any]] = {}
+    for name in generations[0]:
+        runs = [g[name] for g in generations if name in g]
+        result = dict(runs[0])
+        result["engine_start_s_by_generation"] = [r["engine_start_s"] for r in runs]
+        result["by_batch"] = {}
+        for batch in runs[0]["by_batch"]:
+            rounds = [x | {"generation": g} for g, r in enumerate(runs)
+                      for x in r["by_batch"][batch]["rounds"]]
+            checks = [r["by_batch"][batch]["mask_check"] for r in runs]
+            result["by_batch"][batch] = {
+                "median_tokens_per_s": statistics.median(x["tokens_per_s"] for x in rounds),
+                "best_tokens_per_s": max(x["tokens_per_s"] for x in rounds),
+                "rounds": rounds,
+                "mask_check": {"ok": all(c["ok"] for c in checks),
+                               "rows": sum(c["rows"] for c in checks),
+                               "problems": [p for c in checks for p in c["problems"]][:5],
+                               "by_generation": checks}}
+        merged[name] = result
+    return merged
 
 
 def choose_cpus(count: int) -> dict[str, Any]:
@@ -517,7 +569,6 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         args.worker_out.write_text(json.dumps(result))
         return None
 
-    pinning = None
     results: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     sequential = [] if args.interleave else args.config_list
@@ -544,14 +595,31 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             print(f"[{name}] FAILED: {errors[name]}", flush=True)
         free_gpu_memory()
     together = [n for n in args.config_list if n not in sequential]
-    if together:
+    if not together:
+        return finish_report(args, model, None, results, errors, final=True)
+    pinning = choose_cpus(args.pin) if args.pin else None
+    generations: list[dict[str, dict[str, Any]]] = []
+    for generation in range(args.generations):
         try:
-            interleaved, pinning = run_interleaved(together, args, model, argv)
-            results.update(interleaved)
+            generations.append(run_generation(together, generation, args, model, argv, pinning))
         except Exception as exc:
-            errors["+".join(together)] = f"{type(exc).__name__}: {exc}"[:2000]
+            errors["+".join(together)] = (f"generation {generation}: "
+                                          f"{type(exc).__name__}: {exc}"[:2000])
             print(f"[{'+'.join(together)}] FAILED: {errors['+'.join(together)]}", flush=True)
+            break
+        if generation < args.generations - 1:
+            finish_report(args, model, pinning, results | merge_generations(generations), errors,
+                          final=False)
+    if generations:
+        results.update(merge_generations(generations))
+    return finish_report(args, model, pinning, results, errors, final=True)
 
+
+def finish_report(args: argparse.Namespace, model: str, pinning: dict[str, Any] | None,
+                  results: dict[str, dict[str, Any]], errors: dict[str, str],
+                  final: bool) -> dict[str, Any]:
+    """Build the report, print it, write ``--out``; the last call also exits non-zero if an
+    engine failed. Earlier calls (after each but the last generation) are checkpoints."""
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                    if k not in ("out", "worker_config", "worker_out", "worker_serve")} | {"model": model},
@@ -561,13 +629,14 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         "ratios": ratios(results, args.batch_sizes),
         "best_round_ratios": ratios(results, args.batch_sizes, "best_tokens_per_s"),
         "paired_ratios": paired_ratios(results, args.batch_sizes) if args.interleave else {},
+        "complete": final,
     }
     print("\n" + markdown(report))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
-        print(f"\nwritten to {args.out}")
-    if errors:
+        print(f"\nwritten to {args.out}{'' if final else ' (checkpoint)'}")
+    if final and errors:
         sys.exit(f"failed engines: {sorted(errors)}")
     return report
 
@@ -598,8 +667,12 @@ def ratios(results: dict[str, dict], batch_sizes: list[int],
 
 
 def paired_ratios(results: dict[str, dict], batch_sizes: list[int]) -> dict[str, dict[str, Any]]:
-    """``{"on/stock": {B: {"median", "min", "max", "rounds"}}, ...}``: round r of each engine
-    over round r of the baseline (stock, else off), which ran next to it in time."""
+    """``{"on/stock": {B: {"median", "min", "max", "rounds", "by_generation", "interval"}},
+    ...}``: round r of each engine over round r of the baseline (stock, else off), which ran
+    next to it in time; the median pair of each generation, and the 95% interval of the median
+    from resampling generations (None with one generation)."""
+    from pool_paired_rounds import summarize
+
     base = "stock" if "stock" in results else "off" if "off" in results else None
     out: dict[str, dict[str, Any]] = {}
     for name in results:
@@ -607,11 +680,19 @@ def paired_ratios(results: dict[str, dict], batch_sizes: list[int]) -> dict[str,
             continue
         by_batch = {}
         for b in batch_sizes:
-            num = [x["tokens_per_s"] for x in results[name]["by_batch"][str(b)]["rounds"]]
-            den = [x["tokens_per_s"] for x in results[base]["by_batch"][str(b)]["rounds"]]
-            pairs = [n / d for n, d in zip(num, den)]
-            by_batch[str(b)] = {"median": statistics.median(pairs), "min": min(pairs),
-                                "max": max(pairs), "rounds": pairs}
+            ours = results[name]["by_batch"][str(b)]["rounds"]
+            theirs = results[base]["by_batch"][str(b)]["rounds"]
+            pairs = [n["tokens_per_s"] / d["tokens_per_s"] for n, d in zip(ours, theirs)]
+            clusters: dict[int, list[float]] = {}
+            for round_, ratio in zip(ours, pairs):
+                clusters.setdefault(round_.get("generation", 0), []).append(math.log(ratio))
+            pooled = summarize(list(clusters.values()))
+            by_batch[str(b)] = {
+                "median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
+                "rounds": pairs,
+                "by_generation": [math.exp(statistics.median(c)) for c in clusters.values()],
+                "interval": [pooled["median_low"], pooled["median_high"]]
+                if len(clusters) > 1 else None}
         out[f"{name}/{base}"] = by_batch
     return out
 
@@ -640,6 +721,12 @@ def markdown(report: dict) -> str:
         lines.append(f"paired rounds {name} (median [min, max]): " + ", ".join(
             f"B={b} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]"
             for b, v in by_batch.items()))
+        if any(v["interval"] for v in by_batch.values()):
+            lines.append("  by generation (median pair of each; 95% interval over "
+                         "generations): " + ", ".join(
+                             f"B={b} " + "/".join(f"{g:.3f}" for g in v["by_generation"])
+                             + f" [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
+                             for b, v in by_batch.items()))
     for n in names:
         r = results[n]
         ok = all(x["mask_check"]["ok"] for x in r["by_batch"].values())

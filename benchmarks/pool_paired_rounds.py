@@ -5,7 +5,13 @@ A run with ``--interleave`` gives every engine a round next to each round of the
 6-14 rounds still cannot resolve a few percent on the lent H200. This script takes the runs'
 JSON files, forms every pair (config / baseline, same batch size, same round index), and
 reports per batch size the number of pairs, their median with a 95% bootstrap interval (4000
-resamples, fixed seed) and their geometric mean::
+resamples, fixed seed) and their geometric mean.
+
+The interval resamples whole *clusters*, not pairs: the pairs of one set of engine processes
+(a run, or a generation of ``--generations``) share those processes' speeds, which each draws
+once at its start (on the H200 two engines of the same code differed by ~7-10% in every round
+of one run), so they are not independent; resampling pairs gave intervals far too narrow.
+With few clusters the interval is wide, which is the point::
 
     python benchmarks/pool_paired_rounds.py docs/results/engine_throughput_h200_*.json \\
         --baseline stock --out bench_out/pooled.json --png bench_out/pooled.png
@@ -30,29 +36,38 @@ BOOTSTRAP_RESAMPLES = 4000
 
 
 def paired_log_ratios(report: dict[str, Any], config: str,
-                      baseline: str) -> dict[str, list[float]]:
-    """``{B: [log(config round r / baseline round r), ...]}`` of one run's JSON report."""
+                      baseline: str) -> dict[str, list[list[float]]]:
+    """``{B: [[log(config round r / baseline round r), ...] per generation]}`` of one run's
+    JSON report (one generation where its rounds carry no ``generation``)."""
     results = report.get("results", {})
     if config not in results or baseline not in results:
         return {}
     if not (results[config].get("interleaved") and results[baseline].get("interleaved")):
         return {}  # rounds of engines run one after the other are not pairs
-    pairs: dict[str, list[float]] = {}
+    pairs: dict[str, list[list[float]]] = {}
     for batch, ours in results[config]["by_batch"].items():
         theirs = results[baseline]["by_batch"].get(batch)
         if theirs is None:
             continue
-        pairs[batch] = [math.log(a["tokens_per_s"] / b["tokens_per_s"])
-                        for a, b in zip(ours["rounds"], theirs["rounds"])]
+        clusters: dict[int, list[float]] = {}
+        for a, b in zip(ours["rounds"], theirs["rounds"]):
+            if a.get("generation", 0) != b.get("generation", 0):
+                raise ValueError(f"{config} and {baseline} rounds of B={batch} are not aligned")
+            clusters.setdefault(a.get("generation", 0), []).append(
+                math.log(a["tokens_per_s"] / b["tokens_per_s"]))
+        pairs[batch] = list(clusters.values())
     return pairs
 
 
-def summarize(log_ratios: list[float], seed: int = 0) -> dict[str, float]:
-    """Median pair ratio with its 95% bootstrap interval, and the geometric mean."""
+def summarize(clusters: list[list[float]], seed: int = 0) -> dict[str, float]:
+    """Median pair ratio (of the log ratios of every cluster together) with its 95% interval
+    from resampling whole clusters, and the geometric mean."""
     rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(log_ratios, k=len(log_ratios)))
-                     for _ in range(BOOTSTRAP_RESAMPLES))
-    return {"pairs": len(log_ratios), "median": math.exp(statistics.median(log_ratios)),
+    log_ratios = [x for cluster in clusters for x in cluster]
+    medians = sorted(statistics.median([x for c in rng.choices(clusters, k=len(clusters))
+                                        for x in c]) for _ in range(BOOTSTRAP_RESAMPLES))
+    return {"pairs": len(log_ratios), "clusters": len(clusters),
+            "median": math.exp(statistics.median(log_ratios)),
             "median_low": math.exp(medians[int(0.025 * BOOTSTRAP_RESAMPLES)]),
             "median_high": math.exp(medians[int(0.975 * BOOTSTRAP_RESAMPLES) - 1]),
             "geometric_mean": math.exp(statistics.fmean(log_ratios))}
@@ -60,13 +75,14 @@ def summarize(log_ratios: list[float], seed: int = 0) -> dict[str, float]:
 
 def pool(reports: list[dict[str, Any]], configs: Sequence[str],
          baseline: str) -> dict[str, dict[str, dict[str, float]]]:
-    """``{"on/stock": {B: summary}}`` over every report's pairs."""
+    """``{"on/stock": {B: summary}}`` over every report's pairs (each report's generations
+    are clusters)."""
     pooled: dict[str, dict[str, dict[str, float]]] = {}
     for config in configs:
-        by_batch: dict[str, list[float]] = {}
+        by_batch: dict[str, list[list[float]]] = {}
         for report in reports:
-            for batch, logs in paired_log_ratios(report, config, baseline).items():
-                by_batch.setdefault(batch, []).extend(logs)
+            for batch, clusters in paired_log_ratios(report, config, baseline).items():
+                by_batch.setdefault(batch, []).extend(clusters)
         if by_batch:
             pooled[f"{config}/{baseline}"] = {b: summarize(logs) for b, logs in
                                               sorted(by_batch.items(), key=lambda kv: int(kv[0]))}
@@ -112,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--baseline", default="stock")
-    parser.add_argument("--configs", default="on,optout")
+    parser.add_argument("--configs", default="on,optout,off")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--png", type=Path, help="Also plot the pooled ratios here.")
     args = parser.parse_args(argv)
@@ -121,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "pooled": pool(reports, args.configs.split(","), args.baseline)}
     for name, by_batch in result["pooled"].items():
         for batch, v in by_batch.items():
-            print(f"{name} B={batch}: {v['pairs']} pairs, median {v['median']:.3f} "
+            print(f"{name} B={batch}: {v['pairs']} pairs in {v['clusters']} clusters, "
+                  f"median {v['median']:.3f} "
                   f"[95% {v['median_low']:.3f}, {v['median_high']:.3f}], "
                   f"geometric mean {v['geometric_mean']:.3f}")
     if args.out:
@@ -129,8 +146,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.out.write_text(json.dumps(result, indent=2))
     if args.png:
         pairs = max(v["pairs"] for by_batch in result["pooled"].values() for v in by_batch.values())
+        clusters = max(v["clusters"] for by_batch in result["pooled"].values()
+                       for v in by_batch.values())
         plot(result["pooled"], args.png, f"{len(reports)} interleaved runs pooled ({pairs} paired "
-             f"rounds per batch size)")
+             f"rounds per batch size, {clusters} sets of engine processes)")
     return result
 
 

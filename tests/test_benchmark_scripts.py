@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -46,6 +48,46 @@ def test_pool_paired_rounds_pairs_each_round_with_the_baselines() -> None:
     assert summary["pairs"] == 5
     for key in ("median", "median_low", "median_high", "geometric_mean"):
         assert abs(summary[key] - 0.9) < 1e-9, (key, summary)
+
+
+def test_pool_paired_rounds_resamples_whole_generations() -> None:
+    # Each generation's engines keep the speed they drew at start: 0.8 in every round of one
+    # generation, 1.0 in the other. Resampling rounds would make 0.8-vs-1.0 look resolved.
+    sys.path.insert(0, str(BENCHMARKS))
+    from pool_paired_rounds import pool
+
+    def engine(values: list[float]) -> dict:
+        return {"interleaved": True, "by_batch": {"1": {"rounds": [
+            {"tokens_per_s": v, "generation": i // 6} for i, v in enumerate(values)]}}}
+
+    stock = [100.0] * 12
+    on = [80.0] * 6 + [100.0] * 6
+    summary = pool([{"results": {"stock": engine(stock), "on": engine(on)}}], ["on"],
+                   "stock")["on/stock"]["1"]
+    assert (summary["pairs"], summary["clusters"]) == (12, 2)
+    assert abs(summary["median_low"] - 0.8) < 1e-9 and abs(summary["median_high"] - 1.0) < 1e-9
+
+
+def test_engine_throughput_merges_generations_into_clustered_pairs() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_engine_throughput import merge_generations, paired_ratios
+
+    def result(values: list[float]) -> dict:
+        return {"engine_start_s": 1.0, "by_batch": {"64": {
+            "rounds": [{"tokens_per_s": v} for v in values],
+            "mask_check": {"ok": True, "rows": 2, "problems": []}}}}
+
+    merged = merge_generations([{"stock": result([100, 100]), "on": result([90, 90])},
+                                {"stock": result([100, 200]), "on": result([100, 200])}])
+    rounds = merged["on"]["by_batch"]["64"]["rounds"]
+    assert [r["generation"] for r in rounds] == [0, 0, 1, 1]
+    assert merged["on"]["by_batch"]["64"]["mask_check"]["rows"] == 4
+    assert merged["on"]["engine_start_s_by_generation"] == [1.0, 1.0]
+    paired = paired_ratios(merged, [64])["on/stock"]["64"]
+    assert paired["by_generation"] == pytest.approx([0.9, 1.0])
+    assert paired["rounds"] == pytest.approx([0.9, 0.9, 1.0, 1.0])
+    low, high = paired["interval"]
+    assert abs(low - 0.9) < 1e-9 and abs(high - 1.0) < 1e-9
 
 
 def test_profile_engine_step_times_functions_that_exist() -> None:
