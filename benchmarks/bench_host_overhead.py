@@ -31,6 +31,10 @@ The wrappers are the plugin's own (``wrap_*``) around no-op originals, so vLLM's
 not counted. Every row holds ``top_k`` ids (all rows full: the upper bound of the common path;
 top-p shortens rows). Times are medians over ``--reps`` of the thread's CPU time (wall time
 beside it), with the garbage collector enabled.
+
+``--pin-fastest`` first times a fixed Python loop on every allowed CPU and runs on the fastest
+(``probe_machine_noise.fastest_cpus``): on the lent H200 machine vCPUs differ by up to ~1.7x,
+and an unpinned run on a slow one doubled every hop, vLLM's own encode/decode included.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int,
                         help=f"Timed repetitions (default {FULL_SIZE['reps']}).")
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--pin-fastest", action="store_true",
+                        help="Run on the CPU that runs a fixed loop fastest now.")
     args = parser.parse_args(argv)
     defaults = SMALL_SIZE if args.small else FULL_SIZE
     for name, value in defaults.items():
@@ -136,11 +142,18 @@ def make_step(num_requests: int, vocab_size: int, top_k: int, wide_row: int | No
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    pinned = None
+    if args.pin_fastest:
+        from probe_machine_noise import fastest_cpus
+
+        chosen, loop_s = fastest_cpus(1)
+        os.sched_setaffinity(0, chosen)
+        pinned = {"cpu": chosen[0], "loop_s_per_cpu": loop_s}
     import torch
 
     if not torch.cuda.is_available():
         # vLLM's scheduler module needs a platform: the CPU test platform, as the tests use.
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_engine_throughput import setup_environment
 
         setup_environment(small=True)
@@ -293,7 +306,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    "warmup": args.warmup, "rows": "all full (top_k ids each)",
                    "unpack_overflow_wide_row": min(V, 4 * K)},
         "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "numpy": np.__version__, "msgspec": msgspec.__version__},
+                    "numpy": np.__version__, "msgspec": msgspec.__version__,
+                    "pinned": pinned},
         "results": results,
         "wire_bytes": wire_bytes,
         "per_step_ms": per_step,

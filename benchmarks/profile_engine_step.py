@@ -122,7 +122,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--logprobs", type=int, help="SamplingParams.logprobs (default None).")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="Per engine (default 0.85 / the number of configs: the engines "
+                        "run one after the other in this process, which keeps what each "
+                        "earlier one took).")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="Also cProfile one round at the largest batch; keep the top N.")
     parser.add_argument("--cuda-profile", action="store_true",
@@ -134,6 +137,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             setattr(args, name, sizes[name])
     args.warmup_len = sizes["warmup_len"]
     args.temperature, args.dtype = 1.0, "float32" if args.small else "auto"
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = round(0.85 / len(args.configs.split(",")), 2)
     return args
 
 
