@@ -4,9 +4,9 @@ the V1 runner, data parallelism behind ``vllm serve`` (internal load balancing).
 checked; the rows a user gets come from the output rank only, since vLLM's executor forwards
 only that rank's ``ModelRunnerOutput`` (the other ranks compute and drop theirs).
 
-Pipeline parallelism on Model Runner V2 fails on CPU in vLLM 0.26 itself, with or without the
-plugin (``pp_utils`` records an event on the CPU platform's stream placeholder), so it runs here
-on V1 only.
+Pipeline parallelism on Model Runner V2 fails on CPU in vLLM 0.26 itself, with the mask switch
+off too (``pp_utils`` records an event on the CPU platform's stream placeholder), so it runs
+here on V1 only.
 """
 
 from __future__ import annotations
