@@ -107,10 +107,12 @@ def build_tiny_moe(target_dir: str | Path, out_dir: str | Path, hidden_size: int
     return out
 
 
-def build_tiny_hybrid(target_dir: str | Path, out_dir: str | Path) -> Path:
+def build_tiny_hybrid(target_dir: str | Path, out_dir: str | Path, hidden_size: int = 64,
+                      head_dim: int = 32) -> Path:
     """Write (or reuse) a random-weight Qwen3-Next (three Gated DeltaNet layers, then one
     attention layer; 8 experts, top-2) with ``target_dir``'s vocabulary and tokenizer in
-    ``out_dir``, in bfloat16; returns the directory.
+    ``out_dir``, in bfloat16; returns the directory. ``hidden_size`` and ``head_dim`` (of the
+    attention and the Gated DeltaNet heads) as for ``build_tiny_moe``: larger on the GPU.
 
     vLLM 0.26's CPU Gated DeltaNet kernels need head widths that are multiples of 32 and a
     bfloat16 model (their float32 path fails). The embeddings are not tied: with a tied
@@ -126,11 +128,13 @@ def build_tiny_hybrid(target_dir: str | Path, out_dir: str | Path) -> Path:
         return out
     target = json.loads((Path(target_dir) / "config.json").read_text())
     config = Qwen3NextConfig(
-        vocab_size=target["vocab_size"], hidden_size=64, intermediate_size=128,
-        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-        linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1,
+        vocab_size=target["vocab_size"], hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size, num_hidden_layers=4,
+        num_attention_heads=2 * hidden_size // 64, num_key_value_heads=1, head_dim=head_dim,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2,
+        shared_expert_intermediate_size=hidden_size // 2, decoder_sparse_step=1,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
         max_position_embeddings=4096, tie_word_embeddings=False,
         **{key: target.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
