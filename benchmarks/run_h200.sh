@@ -16,12 +16,16 @@
 #             compaction and host unpack at top_k 50 and with every row wider than the width
 #             cap                                                                    (~5 min)
 #   engine    stock / off / on / optout interleaved, each engine in its own process, all
-#             pinned to the same 5 CPUs (--pin 5), compiled, 6 rounds                (~5 min)
+#             pinned to the same 5 CPUs (--pin 5), compiled, 6 rounds                (~7 min)
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
+#             (one set of engine processes per call: four engines take ~6 min to start and
+#             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
+#             with pool_paired_rounds.py, each call a cluster)
 #   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled       (~7 min)
 #   v1        the V1-runner GPU tests, ngram speculative decoding included           (~5 min)
 #   spec      EAGLE speculative decoding on Model Runner V2, the GPU test
-#   families  the MoE and vision-language GPU tests (carry .vstage5: MoE kernels)
+#   families  the MoE, hybrid and vision-language GPU tests (carry .vstage5: MoE kernels;
+#             ~2 + 1 min for MoE and VL, the hybrid's Triton kernels compile on first use)
 #   moe       the MoE's stock / on throughput, after `families` on the same machine
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
 #   paths     step costs of the sampling paths                                      (~1 min)
@@ -107,16 +111,18 @@ case "${1:-}" in
     ;;
   engine)
     # off (plugin loaded, switch off: vLLM's own code) is the control: a stock-like engine in
-    # the same layout shows what the layout itself does to a ratio (the ~5% at B=256 pooled).
-    bench bench_engine_throughput engine 480 --configs stock,off,on,optout --interleave \
+    # the same layout shows what the layout itself does to a ratio. An engine process keeps
+    # much of the speed it drew at its start (median off/stock 0.90 in one run, 1.03 in the
+    # next, at B=256), so more calls, not more rounds, narrow the pooled interval.
+    bench bench_engine_throughput engine 560 --configs stock,off,on,optout --interleave \
       --pin 5 "${compiled[@]}" --reps 6
     ;;
   logprobs)
-    bench bench_engine_throughput engine_logprobs 300 --configs stock,on --interleave \
+    bench bench_engine_throughput engine_logprobs 330 --configs stock,on --interleave \
       --pin 5 "${compiled[@]}" --reps 4 --logprobs 1
     ;;
   http)
-    bench bench_host_overhead host_overhead 60
+    bench bench_host_overhead host_overhead 60 --pin-fastest
     bench bench_http_throughput http 330 /root/models/qwen3-0.6b "${compiled[@]}" \
       --concurrency 1,64
     ;;
@@ -141,7 +147,7 @@ case "${1:-}" in
     fi
     if [ "$1" = families ]; then
       PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-        step gpu_tests_families 420 python3 -m pytest -q -s -m gpu tests/test_gpu_model_families.py
+        step gpu_tests_families 560 python3 -m pytest -q -s -m gpu tests/test_gpu_model_families.py
     else  # the MoE model the families test built (same machine)
       bench bench_engine_throughput engine_moe 300 --model /root/models/qwen3-moe-tiny \
         --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 4
