@@ -41,10 +41,10 @@ report also has ``paired_ratios``: per round, each engine's throughput over stoc
 off's) in the same round, their median and range.
 
 ``--generations G`` (with ``--interleave``) runs that G times with fresh engine processes
-(their start order rotated), ``--reps`` rounds each. Two engines of the same code kept their
-~7-10% difference through every round of one run on the H200 (``off`` against ``stock``): a
-process draws its speed once, at start, so the rounds of one process are not independent
-samples. ``paired_ratios`` then also has the median pair of each generation and a 95% interval
+(their start order rotated), ``--reps`` rounds each. Two engines of the same code kept a ~7-10%
+difference through every round of one run on the H200 (``off`` against ``stock``) and not in
+the next: much of a process's speed is drawn once, at its start, so the rounds of one set of
+processes are not independent samples. ``paired_ratios`` then also has the median pair of each generation and a 95% interval
 from resampling whole generations (``pool_paired_rounds.summarize``). The JSON is written after
 every generation, so a run cut short by a time limit keeps the generations it finished.
 """
