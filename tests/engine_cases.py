@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mask_invariants import check_completion
+
+
+def run_result_script(script: Path, env: dict[str, str], *args: str) -> dict:
+    """Run ``script`` in a fresh interpreter; the JSON of its last ``RESULT `` line."""
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                            env=env, timeout=600)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def generate(llm: Any, prompts: Any, params: Any) -> list[Any]:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
+from engine_cases import run_result_script
 from http_server import MASK_FLAGS, running_server
 from mask_invariants import mask_problems
 
@@ -31,11 +30,7 @@ TWO_WORKERS = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 def run_layout(model: str, env: dict[str, str], *args: str) -> dict:
     env = {**env, **TWO_WORKERS, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc
-    result = subprocess.run([sys.executable, str(SCRIPT), model, *args], capture_output=True,
-                            text=True, env=env, timeout=600)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_result_script(SCRIPT, env, model, *args)
 
 
 def test_tensor_parallel_rows_on_model_runner_v2(tiny_model_dir: str,

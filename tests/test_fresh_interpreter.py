@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from engine_cases import run_result_script
 
 pytestmark = pytest.mark.slow
 
@@ -20,11 +19,7 @@ def run_user_script(model: str, env: dict[str, str], *args: str, plugins: str | 
     env = {**env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc with a function
     if plugins is not None:
         env["VLLM_PLUGINS"] = plugins
-    result = subprocess.run([sys.executable, str(SCRIPT), model, *args], capture_output=True,
-                            text=True, env=env, timeout=600)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_result_script(SCRIPT, env, model, *args)
 
 
 def test_llm_keyword_starts_model_runner_v2_with_masks(tiny_model_dir: str, subprocess_env: dict) -> None:
