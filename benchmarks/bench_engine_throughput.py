@@ -596,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         free_gpu_memory()
     together = [n for n in args.config_list if n not in sequential]
     if not together:
-        return finish_report(args, model, None, results, errors, final=True)
+        return write_report(args, model, None, results, errors, final=True)
     pinning = choose_cpus(args.pin) if args.pin else None
     generations: list[dict[str, dict[str, Any]]] = []
     for generation in range(args.generations):
@@ -608,14 +608,14 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             print(f"[{'+'.join(together)}] FAILED: {errors['+'.join(together)]}", flush=True)
             break
         if generation < args.generations - 1:
-            finish_report(args, model, pinning, results | merge_generations(generations), errors,
+            write_report(args, model, pinning, results | merge_generations(generations), errors,
                           final=False)
     if generations:
         results.update(merge_generations(generations))
-    return finish_report(args, model, pinning, results, errors, final=True)
+    return write_report(args, model, pinning, results, errors, final=True)
 
 
-def finish_report(args: argparse.Namespace, model: str, pinning: dict[str, Any] | None,
+def write_report(args: argparse.Namespace, model: str, pinning: dict[str, Any] | None,
                   results: dict[str, dict[str, Any]], errors: dict[str, str],
                   final: bool) -> dict[str, Any]:
     """Build the report, print it, write ``--out``; the last call also exits non-zero if an
@@ -628,7 +628,7 @@ def finish_report(args: argparse.Namespace, model: str, pinning: dict[str, Any] 
         "errors": errors,
         "ratios": ratios(results, args.batch_sizes),
         "best_round_ratios": ratios(results, args.batch_sizes, "best_tokens_per_s"),
-        "paired_ratios": paired_ratios(results, args.batch_sizes) if args.interleave else {},
+        "paired_ratios": paired_ratios(results) if args.interleave else {},
         "complete": final,
     }
     print("\n" + markdown(report))
@@ -666,12 +666,12 @@ def ratios(results: dict[str, dict], batch_sizes: list[int],
     return out
 
 
-def paired_ratios(results: dict[str, dict], batch_sizes: list[int]) -> dict[str, dict[str, Any]]:
+def paired_ratios(results: dict[str, dict]) -> dict[str, dict[str, Any]]:
     """``{"on/stock": {B: {"median", "min", "max", "rounds", "by_generation", "interval"}},
     ...}``: round r of each engine over round r of the baseline (stock, else off), which ran
     next to it in time; the median pair of each generation, and the 95% interval of the median
     from resampling generations (None with one generation)."""
-    from pool_paired_rounds import summarize
+    from pool_paired_rounds import paired_log_ratios, summarize
 
     base = "stock" if "stock" in results else "off" if "off" in results else None
     out: dict[str, dict[str, Any]] = {}
@@ -679,18 +679,13 @@ def paired_ratios(results: dict[str, dict], batch_sizes: list[int]) -> dict[str,
         if base is None or name == base:
             continue
         by_batch = {}
-        for b in batch_sizes:
-            ours = results[name]["by_batch"][str(b)]["rounds"]
-            theirs = results[base]["by_batch"][str(b)]["rounds"]
-            pairs = [n["tokens_per_s"] / d["tokens_per_s"] for n, d in zip(ours, theirs)]
-            clusters: dict[int, list[float]] = {}
-            for round_, ratio in zip(ours, pairs):
-                clusters.setdefault(round_.get("generation", 0), []).append(math.log(ratio))
-            pooled = summarize(list(clusters.values()))
-            by_batch[str(b)] = {
+        for b, clusters in paired_log_ratios({"results": results}, name, base).items():
+            pairs = [math.exp(x) for cluster in clusters for x in cluster]
+            pooled = summarize(clusters)
+            by_batch[b] = {
                 "median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
                 "rounds": pairs,
-                "by_generation": [math.exp(statistics.median(c)) for c in clusters.values()],
+                "by_generation": [math.exp(statistics.median(c)) for c in clusters],
                 "interval": [pooled["median_low"], pooled["median_high"]]
                 if len(clusters) > 1 else None}
         out[f"{name}/{base}"] = by_batch

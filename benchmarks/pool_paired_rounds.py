@@ -8,9 +8,10 @@ reports per batch size the number of pairs, their median with a 95% bootstrap in
 resamples, fixed seed) and their geometric mean.
 
 The interval resamples whole *clusters*, not pairs: the pairs of one set of engine processes
-(a run, or a generation of ``--generations``) share those processes' speeds, which each draws
-once at its start (on the H200 two engines of the same code differed by ~7-10% in every round
-of one run), so they are not independent; resampling pairs gave intervals far too narrow.
+(a run, or a generation of ``--generations``) share much of those processes' speeds, drawn at
+their start (on the H200 two engines of the same code differed by ~7-10% in every round of one
+run, and not in the next), so they are not independent; resampling pairs gave intervals far
+too narrow.
 With few clusters the interval is wide, which is the point::
 
     python benchmarks/pool_paired_rounds.py docs/results/engine_throughput_h200_*.json \\

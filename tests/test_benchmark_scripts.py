@@ -73,7 +73,7 @@ def test_engine_throughput_merges_generations_into_clustered_pairs() -> None:
     from bench_engine_throughput import merge_generations, paired_ratios
 
     def result(values: list[float]) -> dict:
-        return {"engine_start_s": 1.0, "by_batch": {"64": {
+        return {"engine_start_s": 1.0, "interleaved": True, "by_batch": {"64": {
             "rounds": [{"tokens_per_s": v} for v in values],
             "mask_check": {"ok": True, "rows": 2, "problems": []}}}}
 
@@ -83,7 +83,7 @@ def test_engine_throughput_merges_generations_into_clustered_pairs() -> None:
     assert [r["generation"] for r in rounds] == [0, 0, 1, 1]
     assert merged["on"]["by_batch"]["64"]["mask_check"]["rows"] == 4
     assert merged["on"]["engine_start_s_by_generation"] == [1.0, 1.0]
-    paired = paired_ratios(merged, [64])["on/stock"]["64"]
+    paired = paired_ratios(merged)["on/stock"]["64"]
     assert paired["by_generation"] == pytest.approx([0.9, 1.0])
     assert paired["rounds"] == pytest.approx([0.9, 0.9, 1.0, 1.0])
     low, high = paired["interval"]
