@@ -26,6 +26,7 @@
 #   spec      EAGLE speculative decoding on Model Runner V2, the GPU test
 #   families  the MoE, hybrid and vision-language GPU tests (carry .vstage5: MoE kernels;
 #             ~2 + 1 min for MoE and VL, the hybrid's Triton kernels compile on first use)
+#   hybrid    the hybrid's GPU test alone (its Triton kernels compile on first use; carry .vstage5)
 #   moe       the MoE's stock / on throughput, after `families` on the same machine
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
 #   paths     step costs of the sampling paths                                      (~1 min)
@@ -136,7 +137,7 @@ case "${1:-}" in
     PYTHONPATH="$PWD/tests/hang_dump:$tests_path" HANG_DUMP_S=250 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
       step gpu_tests_spec 300 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_speculative.py
     ;;
-  families|moe)
+  families|hybrid|moe)
     # vLLM's MoE kernels and compressed-tensors, which the slim build leaves out: .vstage5
     # (moe_C.so.xz, the compressed_tensors and loguru wheels; benchmarks/README), carried alone.
     site=$(package_dir vllm)/..
@@ -148,6 +149,10 @@ case "${1:-}" in
     if [ "$1" = families ]; then
       PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
         step gpu_tests_families 560 python3 -m pytest -q -s -m gpu tests/test_gpu_model_families.py
+    elif [ "$1" = hybrid ]; then
+      PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+        step gpu_tests_hybrid 560 python3 -m pytest -q -s -m gpu tests/test_gpu_model_families.py \
+        -k hybrid
     else  # the MoE model the families test built (same machine)
       bench bench_engine_throughput engine_moe 300 --model /root/models/qwen3-moe-tiny \
         --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 4
@@ -162,7 +167,7 @@ case "${1:-}" in
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|v1|spec|families|moe|profile|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|v1|spec|families|hybrid|moe|profile|paths" >&2
     exit 2
     ;;
 esac
