@@ -68,9 +68,11 @@ bench() {
 }
 
 compiled=(--no-enforce-eager)
-# package_dir NAME: where the installed Python package NAME lives (no import).
+# package_dir NAME: where the installed Python package NAME lives (no import); fails, with a
+# message, where NAME is not installed (a machine without the set-up calls of shared/device).
 package_dir() {
-  python3 -c "import importlib.util as u; print(u.find_spec('$1').submodule_search_locations[0])"
+  python3 -c "import importlib.util as u; s = u.find_spec('$1'); print(s.submodule_search_locations[0]) if s else exit(1)" \
+    || { echo "== $1 is not installed here: run the device's set-up calls first" >&2; return 1; }
 }
 tests_path="$PWD:$PWD/tests:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
 # FlashInfer's sampling and top-k kernels, built once on this kind of machine by `jit` (below),
@@ -79,8 +81,10 @@ tests_path="$PWD:$PWD/tests:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
 # both libraries in $out as <name>.so.xz (~8 MB); copied into a git-ignored .vstage4/ here and
 # carried (with .vstage1 it fits the 64 MiB carry limit), they are installed before any group.
 # (A copy of the whole JIT cache did not work: ninja rebuilt it against this machine's paths.)
-if compgen -G ".vstage4/*.so.xz" > /dev/null; then
-  aot=$(package_dir flashinfer)/data/aot
+# Not under SMALL=1, which runs on the dev machine's own FlashInfer.
+if [ -z "$small" ] && compgen -G ".vstage4/*.so.xz" > /dev/null; then
+  aot=$(package_dir flashinfer) || exit 1
+  aot=$aot/data/aot
   for packed in .vstage4/*.so.xz; do
     name=$(basename "$packed" .so.xz)
     mkdir -p "$aot/$name" && xz -dc "$packed" > "$aot/$name/$name.so"
@@ -140,8 +144,10 @@ case "${1:-}" in
   families|hybrid|moe)
     # vLLM's MoE kernels and compressed-tensors, which the slim build leaves out: .vstage5
     # (moe_C.so.xz, the compressed_tensors and loguru wheels; benchmarks/README), carried alone.
-    site=$(package_dir vllm)/..
-    if [ -f .vstage5/moe_C.so.xz ]; then
+    # Not under SMALL=1, which runs on the dev machine's own vLLM.
+    if [ -z "$small" ] && [ -f .vstage5/moe_C.so.xz ]; then
+      site=$(package_dir vllm) || exit 1
+      site=$site/..
       xz -dc .vstage5/moe_C.so.xz > "$site/vllm/_moe_C_stable_libtorch.abi3.so"
       python3 -m pip install -q --no-index --no-deps --target "$site" .vstage5/*.whl 2>&1 \
         | grep -v "WARNING: Target directory" || true
