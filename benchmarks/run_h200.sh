@@ -152,13 +152,11 @@ case "${1:-}" in
       python3 -m pip install -q --no-index --no-deps --target "$site" .vstage5/*.whl 2>&1 \
         | grep -v "WARNING: Target directory" || true
     fi
-    if [ "$1" = families ]; then
+    if [ "$1" != moe ]; then  # families: the whole file; hybrid: its test alone
+      selection=(tests/test_gpu_model_families.py)
+      [ "$1" = hybrid ] && selection+=(-k hybrid)
       PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-        step gpu_tests_families 560 python3 -m pytest -q -s -m gpu tests/test_gpu_model_families.py
-    elif [ "$1" = hybrid ]; then
-      PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-        step gpu_tests_hybrid 560 python3 -m pytest -q -s -m gpu tests/test_gpu_model_families.py \
-        -k hybrid
+        step "gpu_tests_$1" 560 python3 -m pytest -q -s -m gpu "${selection[@]}"
     else  # the MoE model the families test built (same machine)
       bench bench_engine_throughput engine_moe 300 --model /root/models/qwen3-moe-tiny \
         --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 4
