@@ -47,6 +47,14 @@ the next: much of a process's speed is drawn once, at its start, so the rounds o
 processes are not independent samples. ``paired_ratios`` then also has the median pair of each generation and a 95% interval
 from resampling whole generations (``pool_paired_rounds.summarize``). The JSON is written after
 every generation, so a run cut short by a time limit keeps the generations it finished.
+
+``--same-process-optout`` removes that per-process draw from the mask engine's own cost: the
+``on`` engine also runs every round with all its requests opted out (``on_optout``: vLLM's own
+sampler and outputs on every step, as in ``optout``), right before or after its masked round
+(the order flips every round), in the same process. ``paired_ratios["on/on_optout"]`` is then
+what the masks cost the requests that ask for them, free of which process drew which speed;
+``on_optout/stock`` (with ``stock`` interleaved) is what a mask engine costs requests that
+don't ask, with the per-process draw in it. Works with or without ``--interleave``.
 """
 
 from __future__ import annotations
@@ -68,6 +76,8 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_ORDER = ("stock", "off", "on", "optout")
+# The opted-out rounds that an ``on`` engine runs beside its own (``--same-process-optout``).
+SAME_PROCESS_OPTOUT = "on_optout"
 DEFAULT_MODEL = "/root/models/qwen3-0.6b"
 SMALL_MODEL_DIR = Path(tempfile.gettempdir()) / "vllm_sampling_mask_bench" / "tiny_model"
 FULL = dict(batch_sizes=[1, 64, 256], output_len=256, prompt_len=128, reps=3, warmup_len=16)
@@ -103,6 +113,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "CUDA graphs.")
     parser.add_argument("--dtype", help="Model dtype (default auto; --small: float32).")
     parser.add_argument("--gpu-memory-utilization", type=float)
+    parser.add_argument("--same-process-optout", action="store_true",
+                        help="The on engine also runs every round with all requests opted out "
+                        f"({SAME_PROCESS_OPTOUT}), alternating with its own: the pair shares "
+                        "one engine process.")
     parser.add_argument("--isolate", action="store_true", help="One subprocess per engine.")
     parser.add_argument("--interleave", action="store_true",
                         help="Keep every engine alive side by side (each in a subprocess) and "
@@ -184,12 +198,15 @@ def small_model() -> str:
     return str(build_tiny_model(SMALL_MODEL_DIR))
 
 
-def make_prompts(batch: int, round_index: int, prompt_len: int, vocab: int) -> list[Any]:
-    """``batch`` random ``TokensPrompt``s, a function of (batch, round) only."""
+def make_prompts(batch: int, round_index: int, prompt_len: int, vocab: int,
+                 variant: int = 0) -> list[Any]:
+    """``batch`` random ``TokensPrompt``s, a function of (batch, round, variant) only; a
+    second variant gives an engine that runs two rounds per round prompts its prefix cache
+    has not seen."""
     import numpy as np
     from vllm.inputs import TokensPrompt
 
-    rng = np.random.default_rng([batch, round_index + 1])
+    rng = np.random.default_rng([batch, round_index + 1] + ([variant] if variant else []))
     ids = rng.integers(10, vocab, size=(batch, prompt_len))  # above the special tokens
     return [TokensPrompt(prompt_token_ids=row.tolist()) for row in ids]
 
@@ -221,13 +238,22 @@ def check_masks(outputs: list[Any], on: bool) -> dict[str, Any]:
 
 
 class EngineUnderTest:
-    """One engine of one config: warm-up, timed rounds, result (see ``run_config``)."""
+    """One engine of one config: warm-up, timed rounds, results (see ``run_config``).
+
+    ``modes``: what each of its rounds runs, one timed generate each, in an order that flips
+    every round: the config itself, and for ``on`` with ``--same-process-optout`` also
+    ``on_optout``, the same batch size with every request opted out (fresh prompts, so the
+    prefix cache never helps).
+    """
 
     def __init__(self, name: str, args: argparse.Namespace, model: str,
                  gpu_memory_utilization: float | None) -> None:
         from vllm import LLM
 
         self.name, self.args = name, args
+        # getattr: profile_engine_step builds engines from arguments of its own, without it
+        self.modes = [name, SAME_PROCESS_OPTOUT] if (
+            name == "on" and getattr(args, "same_process_optout", False)) else [name]
         kwargs: dict[str, Any] = dict(
             model=model, enforce_eager=args.enforce_eager, dtype=args.dtype, seed=0,
             max_model_len=args.prompt_len + args.output_len + 16,
@@ -243,48 +269,60 @@ class EngineUnderTest:
         self.vllm_config = self.llm.llm_engine.vllm_config
         self.vocab = min(len(self.llm.get_tokenizer()),
                          self.vllm_config.model_config.get_vocab_size())
-        self.rounds: dict[int, list[dict[str, float]]] = {b: [] for b in args.batch_sizes}
-        self.checks: dict[int, dict[str, Any]] = {}
+        self.rounds: dict[str, dict[int, list[dict[str, float]]]] = {
+            mode: {b: [] for b in args.batch_sizes} for mode in self.modes}
+        self.checks: dict[str, dict[int, dict[str, Any]]] = {mode: {} for mode in self.modes}
 
-    def params(self, max_tokens: int) -> Any:
+    def params(self, max_tokens: int, mode: str | None = None) -> Any:
         from vllm import SamplingParams
 
         a = self.args
-        extra_args = {"return_sampling_mask": False} if self.name == "optout" else None
+        opt_out = (mode or self.name) in ("optout", SAME_PROCESS_OPTOUT)
         return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                               max_tokens=max_tokens, ignore_eos=True, logprobs=a.logprobs,
-                              extra_args=extra_args)
+                              extra_args={"return_sampling_mask": False} if opt_out else None)
 
     def warm_up(self) -> None:
-        for b in self.args.batch_sizes:  # round -1: prompts no timed round uses
-            self.llm.generate(make_prompts(b, -1, self.args.prompt_len, self.vocab),
-                              self.params(self.args.warmup_len), use_tqdm=False)
+        for mode in self.modes:
+            for b in self.args.batch_sizes:  # round -1: prompts no timed round uses
+                self.llm.generate(make_prompts(b, -1, self.args.prompt_len, self.vocab),
+                                  self.params(self.args.warmup_len, mode), use_tqdm=False)
 
     def run_round(self, batch: int, round_index: int) -> None:
-        prompts = make_prompts(batch, round_index, self.args.prompt_len, self.vocab)
+        for mode in self.modes if round_index % 2 == 0 else self.modes[::-1]:
+            self.run_mode_round(mode, batch, round_index)
+
+    def run_mode_round(self, mode: str, batch: int, round_index: int) -> None:
+        prompts = make_prompts(batch, round_index, self.args.prompt_len, self.vocab,
+                               variant=self.modes.index(mode))
         t0 = time.perf_counter()
-        outputs = self.llm.generate(prompts, self.params(self.args.output_len), use_tqdm=False)
+        outputs = self.llm.generate(prompts, self.params(self.args.output_len, mode),
+                                    use_tqdm=False)
         seconds = time.perf_counter() - t0
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        self.rounds[batch].append({"seconds": seconds, "output_tokens": tokens,
-                                   "tokens_per_s": tokens / seconds})
-        print(f"[{self.name}] B={batch} round {round_index}: {tokens / seconds:,.0f} tok/s "
+        self.rounds[mode][batch].append({"seconds": seconds, "output_tokens": tokens,
+                                         "tokens_per_s": tokens / seconds})
+        print(f"[{mode}] B={batch} round {round_index}: {tokens / seconds:,.0f} tok/s "
               f"({tokens} tokens, {seconds:.2f} s)", flush=True)
         if round_index % self.args.reps == self.args.reps - 1:  # a generation's last round
-            self.checks[batch] = check_masks(outputs, on=self.name == "on")
+            self.checks[mode][batch] = check_masks(outputs, on=mode == "on")
 
-    def result(self) -> dict[str, Any]:
-        return {
+    def results(self) -> dict[str, dict[str, Any]]:
+        """``{mode: result}``; the two modes of one process are marked as alternating rounds
+        (``interleaved``), so ``paired_ratios`` and ``pool_paired_rounds`` pair them."""
+        common = {
             "engine_start_s": self.start_s,
             "use_v2_model_runner": bool(self.vllm_config.use_v2_model_runner),
             "logprobs_mode": str(self.vllm_config.model_config.logprobs_mode),
             "additional_config": dict(self.vllm_config.additional_config or {}),
-            "by_batch": {str(b): {"median_tokens_per_s": statistics.median(
-                                      x["tokens_per_s"] for x in self.rounds[b]),
-                                  "best_tokens_per_s": max(x["tokens_per_s"] for x in self.rounds[b]),
-                                  "rounds": self.rounds[b], "mask_check": self.checks[b]}
-                         for b in self.args.batch_sizes},
         }
+        if len(self.modes) > 1:
+            common |= {"interleaved": True, "engine_process": self.name}
+        return {mode: common | {"by_batch": {str(b): {
+            "median_tokens_per_s": statistics.median(x["tokens_per_s"] for x in rounds),
+            "best_tokens_per_s": max(x["tokens_per_s"] for x in rounds),
+            "rounds": rounds, "mask_check": self.checks[mode][b]}
+            for b, rounds in self.rounds[mode].items()}} for mode in self.modes}
 
     def shutdown(self) -> None:
         shutdown(self.llm)
@@ -341,9 +379,9 @@ class EngineProcess:
     def run_round(self, batch: int, round_index: int) -> None:
         self.call(f"round {batch} {round_index}")
 
-    def result(self) -> dict[str, Any]:
-        return self.call("result") | ({"VLLM_PLUGINS": self.plugins} if self.name == "stock"
-                                      else {})
+    def results(self) -> dict[str, dict[str, Any]]:
+        extra = {"VLLM_PLUGINS": self.plugins} if self.name == "stock" else {}
+        return {mode: result | extra for mode, result in self.call("results").items()}
 
     def shutdown(self) -> None:
         if self.process.poll() is None:
@@ -355,7 +393,7 @@ class EngineProcess:
 
 def serve_rounds(name: str, args: argparse.Namespace, model: str) -> None:
     """Child of ``EngineProcess``: import vLLM, build the engine (pinned where asked) on
-    ``build``, then run the commands read on stdin (``warm_up``, ``round B R``, ``result``,
+    ``build``, then run the commands read on stdin (``warm_up``, ``round B R``, ``results``,
     ``quit``), one reply line each."""
     def reply(**message: Any) -> None:
         print(REPLY_PREFIX + json.dumps(message), flush=True)
@@ -384,8 +422,8 @@ def serve_rounds(name: str, args: argparse.Namespace, model: str) -> None:
                     engine.warm_up()
                 elif command == "round":
                     engine.run_round(int(params[0]), int(params[1]))
-                elif command == "result":
-                    value = engine.result()
+                elif command == "results":
+                    value = engine.results()
                 elif command == "quit":
                     reply(value=None)
                     return
@@ -396,15 +434,16 @@ def serve_rounds(name: str, args: argparse.Namespace, model: str) -> None:
         engine.shutdown()
 
 
-def run_config(name: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
-    """Build one engine, time every batch size, shut it down. Runs in this process."""
+def run_config(name: str, args: argparse.Namespace, model: str) -> dict[str, dict[str, Any]]:
+    """Build one engine, time every batch size, shut it down; ``{mode: result}`` (see
+    ``EngineUnderTest``). Runs in this process."""
     engine = EngineUnderTest(name, args, model, args.gpu_memory_utilization)
     try:
         engine.warm_up()
         for r in range(args.reps):
             for b in args.batch_sizes:
                 engine.run_round(b, r)
-        return engine.result()
+        return engine.results()
     finally:
         engine.shutdown()
 
@@ -432,8 +471,9 @@ def run_generation(names: list[str], generation: int, args: argparse.Namespace, 
             for b in args.batch_sizes:
                 for engine in (engines if r % 2 == 0 else engines[::-1]):
                     engine.run_round(b, r)
-        return {e.name: e.result() | {"isolated": True, "interleaved": True,
-                                      "gpu_memory_utilization": share} for e in engines}
+        return {mode: result | {"isolated": True, "interleaved": True,
+                                "gpu_memory_utilization": share}
+                for e in engines for mode, result in e.results().items()}
     finally:
         for engine in engines:
             engine.shutdown()
@@ -537,7 +577,7 @@ def free_gpu_memory() -> None:
     print(f"warning: {used} MiB still used on the GPU after {GPU_FREE_TIMEOUT_S:.0f} s", flush=True)
 
 
-def run_isolated(name: str, argv: Sequence[str]) -> dict[str, Any]:
+def run_isolated(name: str, argv: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``run_config`` in a fresh interpreter (``stock`` also hides this plugin from vLLM)."""
     env = dict(os.environ)
     if name == "stock":
@@ -548,11 +588,9 @@ def run_isolated(name: str, argv: Sequence[str]) -> dict[str, Any]:
                "--worker-config", name, "--worker-out", str(out)]
         print(f"[{name}] subprocess: {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, env=env, check=True)
-        result = json.loads(out.read_text())
-    result["isolated"] = True
-    if name == "stock":
-        result["VLLM_PLUGINS"] = env["VLLM_PLUGINS"]
-    return result
+        results = json.loads(out.read_text())
+    extra = {"VLLM_PLUGINS": env["VLLM_PLUGINS"]} if name == "stock" else {}
+    return {mode: result | {"isolated": True} | extra for mode, result in results.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> dict | None:
@@ -575,11 +613,11 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     for i, name in enumerate(sequential):
         try:
             if args.isolate or name == "stock":
-                results[name] = run_isolated(name, argv)
+                results.update(run_isolated(name, argv))
             else:
                 try:
-                    results[name] = run_config(name, args, model)
-                    results[name]["isolated"] = False
+                    results.update({mode: result | {"isolated": False} for mode, result
+                                    in run_config(name, args, model).items()})
                 except Exception as exc:
                     # A later engine may find the GPU memory of the previous one not yet
                     # released: retry that case once, in a fresh process.
@@ -588,8 +626,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                     print(f"[{name}] in-process engine failed ({type(exc).__name__}: {exc}); "
                           "retrying in a subprocess", flush=True)
                     free_gpu_memory()
-                    results[name] = run_isolated(name, argv)
-                    results[name]["in_process_error"] = f"{type(exc).__name__}: {exc}"[:500]
+                    error = f"{type(exc).__name__}: {exc}"[:500]
+                    results.update({mode: result | {"in_process_error": error} for mode, result
+                                    in run_isolated(name, argv).items()})
         except Exception as exc:  # keep the other engines' numbers
             errors[name] = f"{type(exc).__name__}: {exc}"[:2000]
             print(f"[{name}] FAILED: {errors[name]}", flush=True)
@@ -628,7 +667,7 @@ def write_report(args: argparse.Namespace, model: str, pinning: dict[str, Any] |
         "errors": errors,
         "ratios": ratios(results, args.batch_sizes),
         "best_round_ratios": ratios(results, args.batch_sizes, "best_tokens_per_s"),
-        "paired_ratios": paired_ratios(results) if args.interleave else {},
+        "paired_ratios": paired_ratios(results),
         "complete": final,
     }
     print("\n" + markdown(report))
@@ -660,7 +699,8 @@ def ratios(results: dict[str, dict], batch_sizes: list[int],
 
     out: dict[str, dict[str, float]] = {}
     for num, den in (("on", "off"), ("off", "stock"), ("on", "stock"), ("optout", "off"),
-                     ("optout", "stock")):
+                     ("optout", "stock"), ("on", SAME_PROCESS_OPTOUT),
+                     (SAME_PROCESS_OPTOUT, "stock")):
         if num in results and den in results:
             out[f"{num}/{den}"] = {str(b): tps(num, b) / tps(den, b) for b in batch_sizes}
     return out
@@ -669,26 +709,29 @@ def ratios(results: dict[str, dict], batch_sizes: list[int],
 def paired_ratios(results: dict[str, dict]) -> dict[str, dict[str, Any]]:
     """``{"on/stock": {B: {"median", "min", "max", "rounds", "by_generation", "interval"}},
     ...}``: round r of each engine over round r of the baseline (stock, else off), which ran
-    next to it in time; the median pair of each generation, and the 95% interval of the median
-    from resampling generations (None with one generation)."""
+    next to it in time, and ``on/on_optout`` (the two modes of one process); the median pair
+    of each generation, and the 95% interval of the median from resampling generations (None
+    with one generation)."""
     from pool_paired_rounds import paired_log_ratios, summarize
 
     base = "stock" if "stock" in results else "off" if "off" in results else None
+    comparisons = [(name, base) for name in results if base is not None and name != base]
+    if "on" in results and SAME_PROCESS_OPTOUT in results:
+        comparisons.append(("on", SAME_PROCESS_OPTOUT))
     out: dict[str, dict[str, Any]] = {}
-    for name in results:
-        if base is None or name == base:
-            continue
+    for name, baseline in comparisons:
         by_batch = {}
-        for b, clusters in paired_log_ratios({"results": results}, name, base).items():
-            pairs = [math.exp(x) for cluster in clusters for x in cluster]
+        for b, clusters in paired_log_ratios({"results": results}, name, baseline).items():
+            rounds = [math.exp(x) for cluster in clusters for x in cluster]
             pooled = summarize(clusters)
             by_batch[b] = {
-                "median": statistics.median(pairs), "min": min(pairs), "max": max(pairs),
-                "rounds": pairs,
+                "median": statistics.median(rounds), "min": min(rounds), "max": max(rounds),
+                "rounds": rounds,
                 "by_generation": [math.exp(statistics.median(c)) for c in clusters],
                 "interval": [pooled["median_low"], pooled["median_high"]]
                 if len(clusters) > 1 else None}
-        out[f"{name}/{base}"] = by_batch
+        if by_batch:  # engines that did not alternate rounds have no pairs
+            out[f"{name}/{baseline}"] = by_batch
     return out
 
 

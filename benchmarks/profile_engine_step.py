@@ -153,7 +153,7 @@ def profile_config(name: str, args: argparse.Namespace, model: str,
             for r in range(args.reps):
                 engine.run_round(b, r)
             result["by_batch"][str(b)] = timers.per_step() | {
-                "tokens_per_s": [x["tokens_per_s"] for x in engine.rounds[b]]}
+                "tokens_per_s": [x["tokens_per_s"] for x in engine.rounds[name][b]]}
         largest = max(args.batch_sizes)
         prompts = engine_bench.make_prompts(largest, args.reps, args.prompt_len, engine.vocab)
         if args.cprofile:

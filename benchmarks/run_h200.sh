@@ -15,8 +15,12 @@
 #   verify    the MRV2 GPU tests (they JIT the top-k themselves if `jit` did not run), the
 #             compaction and host unpack at top_k 50 and with every row wider than the width
 #             cap                                                                    (~5 min)
-#   engine    stock / off / on / optout interleaved, each engine in its own process, all
-#             pinned to the same 5 CPUs (--pin 5), compiled, 6 rounds                (~7 min)
+#   engine    stock / on interleaved, each engine in its own process, all pinned to the same
+#             5 CPUs (--pin 5), compiled, 8 rounds; the on engine also runs each round with
+#             every request opted out (--same-process-optout: on/on_optout without a
+#             per-process offset)                                                    (~6 min)
+#   pairs     one mask engine, in-process, masked and opted-out rounds alternating, 10 rounds:
+#             on/on_optout from one more process                                     (~3 min)
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #             (one set of engine processes per call: four engines take ~6 min to start and
 #             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
@@ -115,12 +119,15 @@ case "${1:-}" in
       --top-ks 50,4097 --unpack-reps 10
     ;;
   engine)
-    # off (plugin loaded, switch off: vLLM's own code) is the control: a stock-like engine in
-    # the same layout shows what the layout itself does to a ratio. An engine process keeps
-    # much of the speed it drew at its start (median off/stock 0.90 in one run, 1.03 in the
-    # next, at B=256), so more calls, not more rounds, narrow the pooled interval.
-    bench bench_engine_throughput engine 560 --configs stock,off,on,optout --interleave \
-      --pin 5 "${compiled[@]}" --reps 6
+    # An engine process keeps much of the speed it drew at its start (off/stock, vLLM's own
+    # code on both sides, 0.90 in one run and 1.03 in the next at B=256), so each call is one
+    # sample of on/stock; on/on_optout pairs rounds of one process instead.
+    bench bench_engine_throughput engine 560 --configs stock,on --same-process-optout \
+      --interleave --pin 5 "${compiled[@]}" --reps 8
+    ;;
+  pairs)
+    bench bench_engine_throughput engine_pairs 420 --configs on --same-process-optout \
+      "${compiled[@]}" --reps 10
     ;;
   logprobs)
     bench bench_engine_throughput engine_logprobs 330 --configs stock,on --interleave \
@@ -171,7 +178,7 @@ case "${1:-}" in
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|logprobs|http|v1|spec|families|hybrid|moe|profile|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|logprobs|http|v1|spec|families|hybrid|moe|profile|paths" >&2
     exit 2
     ;;
 esac

@@ -103,3 +103,27 @@ def test_profile_engine_step_times_functions_that_exist() -> None:
             owner = getattr(owner, class_name)
         if attr != "step_with_batch_queue":  # only on versions that have it
             assert callable(getattr(owner, attr)), (module_name, class_name, attr)
+
+
+def test_engine_throughput_pairs_the_on_engine_with_its_own_opted_out_rounds() -> None:
+    # --same-process-optout: on/on_optout pairs the two modes of one process, whether or not a
+    # stock engine ran beside it; on/stock and on_optout/stock still pair with stock's rounds.
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_engine_throughput import SAME_PROCESS_OPTOUT, paired_ratios
+
+    def result(values: list[float], interleaved: bool = True) -> dict:
+        return {"interleaved": interleaved, "by_batch": {"256": {
+            "rounds": [{"tokens_per_s": v} for v in values]}}}
+
+    alone = paired_ratios({"on": result([99, 198]), SAME_PROCESS_OPTOUT: result([100, 200])})
+    assert list(alone) == [f"on/{SAME_PROCESS_OPTOUT}"]
+    assert alone[f"on/{SAME_PROCESS_OPTOUT}"]["256"]["median"] == pytest.approx(0.99)
+    beside = paired_ratios({"stock": result([110, 220]), "on": result([99, 198]),
+                            SAME_PROCESS_OPTOUT: result([100, 200])})
+    assert set(beside) == {"on/stock", f"{SAME_PROCESS_OPTOUT}/stock",
+                           f"on/{SAME_PROCESS_OPTOUT}"}
+    assert beside["on/stock"]["256"]["median"] == pytest.approx(0.9)
+    # A stock engine that ran before the others (not interleaved) gives no pairs at all.
+    sequential = paired_ratios({"stock": result([110, 220], interleaved=False),
+                                "on": result([99, 198]), SAME_PROCESS_OPTOUT: result([100, 200])})
+    assert list(sequential) == [f"on/{SAME_PROCESS_OPTOUT}"]
