@@ -6,9 +6,11 @@ same way; uniform is the conservative case for the delta encoding, whose gaps on
 kept ids cluster), the sampled token one id of its row. Sizes are of ``json.dumps`` with the
 separators vLLM's ``JSONResponse`` uses, for the response-shaped dict of
 ``/inference/v1/generate`` (one choice) and for the ``sampling_mask`` value alone; gzip -6 of the
-response for reference (vLLM does not compress responses). Times: encode = build + serialise;
-decode = parse + to ``list[list[int]]`` (JSON) or to CSR numpy arrays (compact,
-``decode_compact_arrays``, what ``PackedMasks.from_compact`` uses).
+response for reference (vLLM does not compress responses). Times: encode = what the server does
+per choice, from the mask as the output processor attaches it (int32 bytes, not decoded) to the
+serialised value (``MaskOptions.render`` + ``json.dumps``); decode = parse + to
+``list[list[int]]`` (JSON) or to CSR numpy arrays (compact, ``decode_compact_arrays``, what
+``PackedMasks.from_compact`` uses).
 
 usage: python benchmarks/bench_http_wire_size.py [--tokens 256] [--top-k 50] [--vocab 151936]
 """
@@ -19,6 +21,7 @@ import argparse
 import gzip
 import json
 import time
+from array import array
 
 import numpy as np
 
@@ -27,7 +30,10 @@ from vllm_sampling_mask.compact_format import (
     DELTA_VARINT_ENCODING,
     decode_compact_arrays,
     encode_compact,
+    encode_compact_arrays,
 )
+from vllm_sampling_mask.entrypoints.mask_fields import COMPACT_FORMAT, JSON_FORMAT, MaskOptions
+from vllm_sampling_mask.outputs import SamplingMask
 
 
 def dumps(value: object) -> bytes:
@@ -45,6 +51,20 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     rows = [sorted(rng.choice(args.vocab, args.top_k, replace=False).tolist()) for _ in range(args.tokens)]
     token_ids = [row[int(rng.integers(len(row)))] for row in rows]
+    lengths = array("i", [len(row) for row in rows])
+    blob = bytearray(np.array([i for row in rows for i in row], dtype="<i4").tobytes())
+
+    def attached() -> SamplingMask:
+        """The mask as a non-streaming request's output carries it (a live bytes buffer)."""
+        return SamplingMask.from_wire(lengths, blob)
+
+    encoders = {
+        "json": lambda: dumps(MaskOptions(True, JSON_FORMAT).render(attached())),
+        "compact csr-int32le-base64": lambda: dumps(encode_compact_arrays(
+            *attached().csr(), encoding=COMPACT_ENCODING)),
+        "compact csr-delta-varint-base64 (HTTP)": lambda: dumps(
+            MaskOptions(True, COMPACT_FORMAT).render(attached())),
+    }
 
     forms = {
         "json": rows,
@@ -59,12 +79,11 @@ def main() -> None:
         response = {"choices": [{"index": 0, "token_ids": token_ids, "sampling_mask": mask,
                                  "finish_reason": "length"}]}
         mask_bytes, response_bytes = len(dumps(mask)), dumps(response)
+        encode = encoders[name]
+        assert encode() == dumps(mask), name  # the server's bytes are the reference encoder's
         if name == "json":
-            encode = lambda: dumps(rows)  # noqa: E731
             decode = lambda: json.loads(dumps(rows))  # noqa: E731
         else:
-            encoding = mask["encoding"]
-            encode = lambda enc=encoding: dumps(encode_compact(rows, encoding=enc))  # noqa: E731
             decode = lambda m=mask: decode_compact_arrays(json.loads(dumps(m)))  # noqa: E731
         timings = []
         for fn in (encode, decode):

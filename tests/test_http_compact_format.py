@@ -61,6 +61,16 @@ def test_default_encoding_is_the_int32_layout_numpy_reads_directly() -> None:
     assert ids.tolist() == [1, 2, 70000]
 
 
+def test_delta_varint_wire_bytes_are_unsigned_leb128_of_each_rows_first_id_and_gaps() -> None:
+    # Pinned bytes, so a client in another language can decode from this spec alone.
+    encoded = encode_compact([[0, 300], [2**31 - 1], [127, 128]], encoding=DELTA_VARINT_ENCODING)
+    assert base64.b64decode(encoded["token_ids"]) == (
+        b"\x00" b"\xac\x02"            # row 0: 0, then the gap 300
+        b"\xff\xff\xff\xff\x07"       # row 1: 2**31 - 1
+        b"\x7f" b"\x01")                # row 2: 127, then the gap 1
+    assert np.frombuffer(base64.b64decode(encoded["row_lengths"]), "<i4").tolist() == [2, 1, 2]
+
+
 def test_delta_varint_is_far_smaller_than_json_for_top_k_50() -> None:
     def size(value: object) -> int:  # as vLLM's JSONResponse serialises
         return len(json.dumps(value, separators=(",", ":")))

@@ -70,6 +70,24 @@ def test_render() -> None:
     assert packed["encoding"] == "csr-delta-varint-base64" and decode_compact(packed) == rows
 
 
+def test_render_of_a_whole_mask_reads_its_bytes_without_decoding_them() -> None:
+    # A completion's mask as the engine attaches it: int32 bytes, a live buffer for CUMULATIVE
+    # outputs. The compact dict comes from its CSR arrays; its rows stay undecoded.
+    from array import array
+
+    from vllm_sampling_mask.outputs import SamplingMask
+
+    rows = [[1, 5, 151935], [2], []]
+    blob = bytearray(array("i", [i for row in rows for i in row]).tobytes())
+    live = SamplingMask.from_wire(array("i", [len(row) for row in rows]), blob)
+    assert MaskOptions(True, "compact").render(live) == MaskOptions(True, "compact").render(rows)
+    assert live._rows is None  # not decoded
+    assert MaskOptions(True, "json").render(live) == rows
+    assert MaskOptions(True, "compact").render(SamplingMask(rows)) == MaskOptions(
+        True, "compact").render(rows)
+    assert decode_compact(MaskOptions(True, "compact").render(SamplingMask([]))) == []
+
+
 # ------------------------------------------------------------------ SSE rewriting
 
 
@@ -270,8 +288,9 @@ def test_tito_response_declares_the_mask_field() -> None:
 
     response = GenerateResponse(request_id="r", choices=[
         GenerateResponseChoice(index=0, token_ids=[4, 2], finish_reason="length")])
-    output = SimpleNamespace(index=0, token_ids=[4, 2],
-                             sampling_mask=SimpleNamespace(token_ids=[[1, 4], [2]]))
+    from vllm_sampling_mask.outputs import SamplingMask
+
+    output = SimpleNamespace(index=0, token_ids=[4, 2], sampling_mask=SamplingMask([[1, 4], [2]]))
     for options, expected in ((MaskOptions(True, "json"), [[1, 4], [2]]),
                               (MaskOptions(True, "compact"), None)):
         rebuilt = with_masks(response, {0: output}, options)
@@ -283,13 +302,16 @@ def test_tito_response_declares_the_mask_field() -> None:
 
 
 def test_rows_of_refuses_a_missing_or_misaligned_mask() -> None:
-    from vllm_sampling_mask.entrypoints.serving import rows_of
+    from vllm_sampling_mask.entrypoints.serving import mask_of, rows_of
+    from vllm_sampling_mask.outputs import SamplingMask
 
     assert rows_of(SimpleNamespace(index=0, token_ids=[], sampling_mask=None)) == []
-    with pytest.raises(RuntimeError, match="no sampling mask"):
-        rows_of(SimpleNamespace(index=0, token_ids=[1], sampling_mask=None))
-    with pytest.raises(RuntimeError, match="1 mask rows for 2 tokens"):
-        rows_of(SimpleNamespace(index=0, token_ids=[1, 2], sampling_mask=SimpleNamespace(token_ids=[[1]])))
+    assert len(mask_of(SimpleNamespace(index=0, token_ids=[], sampling_mask=None))) == 0
+    for read in (rows_of, mask_of):
+        with pytest.raises(RuntimeError, match="no sampling mask"):
+            read(SimpleNamespace(index=0, token_ids=[1], sampling_mask=None))
+        with pytest.raises(RuntimeError, match="1 mask rows for 2 tokens"):
+            read(SimpleNamespace(index=0, token_ids=[1, 2], sampling_mask=SamplingMask([[1]])))
 
 
 @pytest.mark.parametrize("stream,logprobs,parser,forced", [

@@ -44,6 +44,8 @@ DELTA_VARINT_ENCODING = "csr-delta-varint-base64"
 ENCODINGS = (COMPACT_ENCODING, DELTA_VARINT_ENCODING)
 
 _MAX_VARINT_BYTES = 5  # ceil(31 / 7): every id of an int32 vocabulary fits
+# The smallest value that needs 2, 3, 4, 5 varint bytes.
+_VARINT_LIMITS = np.array([1 << 7, 1 << 14, 1 << 21, 1 << 28], dtype=np.uint32)
 
 
 def encode_compact(rows: Sequence[Sequence[int]], encoding: str = COMPACT_ENCODING) -> dict[str, Any]:
@@ -162,18 +164,16 @@ def _undo_row_deltas(lengths: np.ndarray, deltas: np.ndarray, total: int) -> np.
 
 
 def _varint_bytes(values: np.ndarray) -> bytes:
-    """Unsigned LEB128 of every value of ``values`` (``[N]`` int64, each in [0, 2**31))."""
-    values = values.astype(np.uint64)
-    nbytes = np.ones(values.size, dtype=np.int64)
-    for k in range(1, _MAX_VARINT_BYTES):
-        nbytes += values >= (1 << (7 * k))
-    out = np.zeros(int(nbytes.sum()), dtype=np.uint8)
-    first = np.cumsum(nbytes) - nbytes
-    for k in range(_MAX_VARINT_BYTES):
-        has = nbytes > k
-        group = (values[has] >> np.uint64(7 * k)) & np.uint64(0x7F)
-        more = (nbytes[has] > k + 1).astype(np.uint64) << np.uint64(7)
-        out[first[has] + k] = (group | more).astype(np.uint8)
+    """Unsigned LEB128 of every value of ``values`` (``[N]`` int64, each in [0, 2**31)): one
+    byte per 7 bits, the high bit set on every byte but each value's last. Built as one flat
+    array (each value repeated once per byte it needs), not a pass per byte position."""
+    v = values.astype(np.uint32)
+    nbytes = np.searchsorted(_VARINT_LIMITS, v, side="right") + 1
+    ends = np.cumsum(nbytes)
+    position = np.arange(int(ends[-1]) if ends.size else 0) - np.repeat(ends - nbytes, nbytes)
+    out = ((np.repeat(v, nbytes) >> (7 * position).astype(np.uint32)) & 0x7F).astype(np.uint8)
+    out |= 0x80
+    out[ends - 1] &= 0x7F
     return out.tobytes()
 
 

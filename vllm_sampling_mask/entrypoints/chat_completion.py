@@ -19,8 +19,8 @@ from vllm_sampling_mask.entrypoints.serving import (
     bad_request,
     current_options,
     engine_masks_enabled,
+    mask_of,
     response_and_final_output,
-    rows_of,
     serve_with_options,
 )
 
@@ -73,7 +73,7 @@ def wrap_chat_completion_full_generator(original: Any) -> Any:
         for choice in response.choices:
             output = outputs[choice.index]
             choice.token_ids = list(output.token_ids)
-            choice.sampling_mask = options.render(rows_of(output))  # an extra field: serialised
+            choice.sampling_mask = options.render(mask_of(output))  # an extra field: serialised
         return response
 
     return chat_completion_full_generator

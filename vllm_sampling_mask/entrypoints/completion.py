@@ -18,6 +18,7 @@ from vllm_sampling_mask.entrypoints.serving import (
     bad_request,
     current_options,
     engine_masks_enabled,
+    mask_of,
     observe,
     rows_of,
     serve_with_options,
@@ -53,7 +54,7 @@ def wrap_request_output_to_completion_response(original: Any) -> Any:
         outputs = [output for final_res in final_res_batch for output in final_res.outputs]
         for choice, output in zip(response.choices, outputs, strict=True):
             choice.token_ids = list(output.token_ids)
-            choice.sampling_mask = options.render(rows_of(output))  # an extra field: serialised
+            choice.sampling_mask = options.render(mask_of(output))  # an extra field: serialised
         return response
 
     return request_output_to_completion_response

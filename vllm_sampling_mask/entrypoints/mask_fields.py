@@ -21,7 +21,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_sampling_mask.compact_format import DELTA_VARINT_ENCODING, encode_compact
+from vllm_sampling_mask.compact_format import (
+    DELTA_VARINT_ENCODING,
+    encode_compact,
+    encode_compact_arrays,
+)
+from vllm_sampling_mask.outputs import SamplingMask
 
 RETURN_FIELD = "return_sampling_mask"
 FORMAT_FIELD = "sampling_mask_format"
@@ -53,8 +58,14 @@ class MaskOptions:
     enabled: bool = False
     format: str = JSON_FORMAT
 
-    def render(self, rows: Sequence[Sequence[int]]) -> Any:
-        """``rows`` as the JSON value of ``sampling_mask`` (nested lists, or the compact dict)."""
+    def render(self, rows: SamplingMask | Sequence[Sequence[int]]) -> Any:
+        """``rows`` (a whole completion's ``SamplingMask``, or a chunk's rows) as the JSON value
+        of ``sampling_mask``: nested lists, or the compact dict. A mask goes to the compact
+        dict from its CSR arrays, never through Python lists."""
+        if isinstance(rows, SamplingMask):
+            if self.format == COMPACT_FORMAT:
+                return encode_compact_arrays(*rows.csr(), encoding=HTTP_COMPACT_ENCODING)
+            return rows.token_ids
         if self.format == COMPACT_FORMAT:
             return encode_compact(rows, encoding=HTTP_COMPACT_ENCODING)
         return rows if isinstance(rows, list) else [list(row) for row in rows]

@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_sampling_mask.config import REQUEST_KEY, SamplingMaskConfig
 from vllm_sampling_mask.entrypoints.mask_fields import DISABLED, MaskOptions
+from vllm_sampling_mask.outputs import SamplingMask
 
 _options: ContextVar[MaskOptions] = ContextVar("vllm_sampling_mask_http_options", default=DISABLED)
 _ENABLED_CACHE = "_sampling_mask_http_enabled"
@@ -49,23 +50,28 @@ def current_options() -> MaskOptions:
     return _options.get()
 
 
-def rows_of(output: Any) -> list[list[int]]:
-    """The mask rows of one ``CompletionOutput``; raises if a mask engine attached none."""
+def mask_of(output: Any) -> SamplingMask:
+    """The mask of one ``CompletionOutput``, one row per token (not decoded); raises if a mask
+    engine attached none."""
     mask = getattr(output, "sampling_mask", None)
     if mask is None:
         if not output.token_ids:
-            return []
+            return SamplingMask([])
         raise RuntimeError(
             f"completion {output.index} has {len(output.token_ids)} tokens but no sampling mask "
             "although the engine returns masks. This is a bug in vllm-sampling-mask."
         )
-    rows = mask.token_ids
-    if len(rows) != len(output.token_ids):
+    if len(mask) != len(output.token_ids):
         raise RuntimeError(
-            f"completion {output.index} has {len(rows)} mask rows for {len(output.token_ids)} "
+            f"completion {output.index} has {len(mask)} mask rows for {len(output.token_ids)} "
             "tokens. This is a bug in vllm-sampling-mask."
         )
-    return rows
+    return mask
+
+
+def rows_of(output: Any) -> list[list[int]]:
+    """The mask rows of one ``CompletionOutput`` as lists (``mask_of``'s checks)."""
+    return mask_of(output).token_ids
 
 
 def tell_engine(request: Any, wants_masks: bool) -> None:

@@ -32,8 +32,8 @@ from vllm_sampling_mask.entrypoints.serving import (
     bad_request,
     current_options,
     engine_masks_enabled,
+    mask_of,
     response_and_final_output,
-    rows_of,
     serve_with_options,
 )
 
@@ -58,7 +58,7 @@ def with_masks(response: Any, outputs: dict[int, Any], options: Any) -> Generate
         GenerateResponseChoiceWithMask.model_construct(
             _fields_set=choice.model_fields_set | {"sampling_mask"},
             **dict(choice),
-            sampling_mask=options.render(rows_of(outputs[choice.index])),
+            sampling_mask=options.render(mask_of(outputs[choice.index])),
         )
         for choice in response.choices
     ]
