@@ -20,7 +20,10 @@
 #             every request opted out (--same-process-optout: on/on_optout without a
 #             per-process offset)                                                    (~6 min)
 #   pairs     one mask engine, in-process, masked and opted-out rounds alternating, 10 rounds:
-#             on/on_optout from one more process                                     (~3 min)
+#             on/on_optout from one more process                                     (~2 min)
+#   generations  `engine` with fresh engine processes 5 times, 2 rounds each: 5 clusters of
+#             on/stock per call instead of 1 (with warm compile caches an engine starts in
+#             ~17 s; run after `engine` on the same machine)                      (~8-9 min)
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #             (one set of engine processes per call: four engines take ~6 min to start and
 #             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
@@ -129,6 +132,11 @@ case "${1:-}" in
     bench bench_engine_throughput engine_pairs 420 --configs on --same-process-optout \
       "${compiled[@]}" --reps 10
     ;;
+  generations)
+    # The JSON is written after every generation: a run cut by the limit keeps what it finished.
+    bench bench_engine_throughput engine_generations 570 --configs stock,on --same-process-optout \
+      --interleave --pin 5 "${compiled[@]}" --generations 5 --reps 2
+    ;;
   logprobs)
     bench bench_engine_throughput engine_logprobs 330 --configs stock,on --interleave \
       --pin 5 "${compiled[@]}" --reps 4 --logprobs 1
@@ -178,7 +186,7 @@ case "${1:-}" in
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|logprobs|http|v1|spec|families|hybrid|moe|profile|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|logprobs|http|v1|spec|families|hybrid|moe|profile|paths" >&2
     exit 2
     ;;
 esac
