@@ -113,6 +113,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "CUDA graphs.")
     parser.add_argument("--dtype", help="Model dtype (default auto; --small: float32).")
     parser.add_argument("--gpu-memory-utilization", type=float)
+    parser.add_argument("--engine-args", type=json.loads, default={}, metavar="JSON",
+                        help="More LLM(...) keywords for every engine, e.g. "
+                        "'{\"speculative_config\": {\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 3}}'.")
     parser.add_argument("--same-process-optout", action="store_true",
                         help="The on engine also runs every round with all requests opted out "
                         f"({SAME_PROCESS_OPTOUT}), alternating with its own: the pair shares "
@@ -261,6 +265,7 @@ class EngineUnderTest:
         )
         if gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs.update(getattr(args, "engine_args", {}))  # profile_engine_step: none
         if name in ("on", "optout"):
             kwargs.update(return_sampling_mask=True, logprobs_mode="processed_logprobs")
         began = time.perf_counter()

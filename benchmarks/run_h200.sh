@@ -34,7 +34,10 @@
 #   families  the MoE, hybrid and vision-language GPU tests (carry .vstage5: MoE kernels;
 #             ~2 + 1 min for MoE and VL, the hybrid's Triton kernels compile on first use)
 #   hybrid    the hybrid's GPU test alone (its Triton kernels compile on first use; carry .vstage5)
-#   moe       the MoE's stock / on throughput, after `families` on the same machine
+#   moe       the MoE's and the hybrid's stock / on throughput, eager, after `families` on the
+#             same machine (it builds both models)                                  (~8 min)
+#   spec_throughput  stock / on throughput under EAGLE (a draft from the target's own weights,
+#             Model Runner V2) and ngram (V1) speculative decoding, eager            (~8 min)
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
 #   paths     step costs of the sampling paths                                      (~1 min)
 #
@@ -172,10 +175,24 @@ case "${1:-}" in
       [ "$1" = hybrid ] && selection+=(-k hybrid)
       PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
         step "gpu_tests_$1" 560 python3 -m pytest -q -s -m gpu "${selection[@]}"
-    else  # the MoE model the families test built (same machine)
-      bench bench_engine_throughput engine_moe 300 --model /root/models/qwen3-moe-tiny \
+    else  # the MoE and hybrid models the families test built (same machine)
+      bench bench_engine_throughput engine_moe 280 --model /root/models/qwen3-moe-tiny \
         --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 4
+      bench bench_engine_throughput engine_hybrid 280 --model /root/models/qwen3-next-tiny \
+        --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 4 \
+        --engine-args '{"gdn_prefill_backend": "triton"}'
     fi
+    ;;
+  spec_throughput)
+    draft=/root/models/eagle-draft
+    PYTHONPATH="$tests_path" step eagle_draft 120 python3 -c "from tiny_variants import \
+build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
+    bench bench_engine_throughput engine_eagle 280 --configs stock,on --interleave --pin 5 \
+      --batch-sizes 64,256 --reps 4 --engine-args \
+      "{\"speculative_config\": {\"method\": \"eagle\", \"model\": \"$draft\", \"num_speculative_tokens\": 3}}"
+    bench bench_engine_throughput engine_ngram 200 --configs stock,on --interleave --pin 5 \
+      --batch-sizes 64,256 --reps 4 --engine-args '{"speculative_config": {"method": "ngram",
+      "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}'
     ;;
   profile)
     # Where the mask engine's ~5% at B=256 goes (pooled interleaved rounds: optout costs it too)
@@ -186,7 +203,7 @@ case "${1:-}" in
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|logprobs|http|v1|spec|families|hybrid|moe|profile|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|logprobs|http|v1|spec|spec_throughput|families|hybrid|moe|profile|paths" >&2
     exit 2
     ;;
 esac
