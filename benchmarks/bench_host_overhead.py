@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         states = {rid: Stub(request_id=rid) for rid in request_ids}
         for state in states.values():
             mask_rows_of(state)
-        return Stub(sampling_mask_enabled=True, request_states=states)
+        return Stub(sampling_mask_requests=set(request_ids), request_states=states)
 
     timed("frontend", lambda proc: process(proc, decoded.outputs), frontend_setup)
     processor = frontend_setup()

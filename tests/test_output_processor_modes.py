@@ -23,6 +23,7 @@ from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollec
 from vllm.v1.engine.parallel_sampling import ParentRequest
 
 from vllm_builders import engine_core_output, engine_core_request, mask_row, sampling_params
+from vllm_sampling_mask.engine.output_processor import enable_masks
 from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask
 
 DELTA = RequestOutputKind.DELTA
@@ -52,7 +53,7 @@ def make_processor(
 ) -> OutputProcessor:
     """An output processor as ``LLMEngine``/``AsyncLLM`` build it, with the engine's switch."""
     processor = OutputProcessor(tokenizer, log_stats=False, stream_interval=stream_interval)
-    processor.__dict__["sampling_mask_enabled"] = enabled
+    enable_masks(processor, enabled)
     return processor
 
 
@@ -597,3 +598,40 @@ def test_cumulative_request_holds_its_rows_as_bytes(
     assert_aligned(latest)
     assert_aligned(midway)  # the live token list and rows both grew
     assert len(midway.sampling_mask.token_ids) == len(tokens)
+
+
+def test_steps_without_a_mask_request_in_flight_are_vllms_alone(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """The processor remembers which requests were given a row list; once those have finished or
+    were aborted (forgotten at the next step that carries none of them), steps of opted-out
+    requests skip the per-output pass; a new mask request brings it back."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    in_flight = processor.__dict__["sampling_mask_requests"]
+    add(processor, "out", CUMULATIVE, extra_args={"return_sampling_mask": False})
+    assert in_flight == set()
+    add(processor, "done", FINAL_ONLY)
+    add(processor, "aborted", CUMULATIVE)
+    assert in_flight == {"done", "aborted"}
+    outputs = process(processor, engine_core_output("out", text_tokens[:1]),
+                      engine.output("done", text_tokens[:1], FinishReason.LENGTH),
+                      engine.output("aborted", text_tokens[:1]))
+    by_id = {o.request_id: o.outputs[0] for o in outputs}
+    assert by_id["done"].sampling_mask.token_ids == engine.sent_rows["done"]
+    processor.abort_requests(["aborted"], internal=True)
+    assert in_flight == {"done", "aborted"}  # forgotten lazily, not on the abort path
+    process(processor, engine_core_output("out", text_tokens[1:2]))
+    assert in_flight == set()
+    add(processor, "late", CUMULATIVE)
+    [late] = process(processor, engine.output("late", text_tokens[:1]),
+                     engine_core_output("out", text_tokens[2:3]))[:1]
+    assert late.request_id == "late" and in_flight == {"late"}
+    assert late.outputs[0].sampling_mask.token_ids == engine.sent_rows["late"]
+
+
+def test_a_processor_of_an_engine_without_the_switch_tracks_nothing(
+        tokenizer: TokenizerLike) -> None:
+    processor = make_processor(tokenizer, enabled=False)
+    add(processor, "a", CUMULATIVE)
+    assert "sampling_mask_requests" not in processor.__dict__
+    assert type(processor.request_states["a"]) is RequestState

@@ -22,7 +22,9 @@ from vllm_sampling_mask.outputs import SamplingMask
 
 logger = logging.getLogger("vllm_sampling_mask")
 _ROWS_ATTR = "sampling_mask_rows"
-_ENABLED_ATTR = "sampling_mask_enabled"
+# On a mask engine's OutputProcessor: the ids of the requests given a row list, a superset of
+# those in flight (pruned by process_outputs). Absent: the engine's switch is off.
+_MASK_REQUESTS_ATTR = "sampling_mask_requests"
 COMPLETION_OUTPUT_METHOD = "vllm.v1.engine.output_processor:RequestState._new_completion_output"
 
 
@@ -97,6 +99,14 @@ def mask_rows_of(state: Any) -> RequestMaskRows:
     return holder
 
 
+def enable_masks(processor: Any, enabled: bool) -> None:
+    """Switch an ``OutputProcessor`` to a mask engine's (called once, as its engine is built)."""
+    if enabled:
+        processor.__dict__[_MASK_REQUESTS_ATTR] = set()
+    else:
+        processor.__dict__.pop(_MASK_REQUESTS_ATTR, None)
+
+
 def wrap_add_request(original: Any) -> Any:
     """``OutputProcessor.add_request``: give each new request state of a mask engine its row
     list, unless the request opted out.
@@ -110,7 +120,8 @@ def wrap_add_request(original: Any) -> Any:
     @functools.wraps(original)
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
         params = request.sampling_params
-        if not self.__dict__.get(_ENABLED_ATTR) or params is None:
+        mask_requests = self.__dict__.get(_MASK_REQUESTS_ATTR)
+        if mask_requests is None or params is None:
             original(self, request, *args, **kwargs)
             return
         wants = request_wants_masks(params)
@@ -127,6 +138,7 @@ def wrap_add_request(original: Any) -> Any:
             state = self.request_states.get(request.request_id)
             if state is not None:
                 mask_rows_of(state)
+                mask_requests.add(request.request_id)
 
     return add_request
 
@@ -138,15 +150,19 @@ def wrap_process_outputs(original: Any) -> Any:
     a speculative-decoding step), so rows and token ids grow in lock step. One that does not (a
     bug: a lost or an extra row) fails that request alone: vLLM's per-request error
     (``fail_output``, logged), the request aborted in the engine core; the others of the batch
-    are served as usual. Rows sent for a request that asked for none are not attached to it.
+    are served as usual. Rows sent for a request that asked for none are not attached to it, so
+    a step while no request with a row list is in flight is vLLM's alone (no pass over its
+    outputs: what opted-out traffic costs stock).
     """
 
     @functools.wraps(original)
     def process_outputs(self: Any, engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        if not self.__dict__.get(_ENABLED_ATTR):
+        mask_requests = self.__dict__.get(_MASK_REQUESTS_ATTR)
+        if not mask_requests:  # switch off, or no request with a row list in flight
             return original(self, engine_core_outputs, *args, **kwargs)
         states = self.request_states
         to_abort: list[str] = []
+        held = False
         for output in engine_core_outputs:
             state = states.get(output.request_id)
             if state is None:
@@ -154,6 +170,7 @@ def wrap_process_outputs(original: Any) -> Any:
             holder = state.__dict__.get(_ROWS_ATTR)
             if holder is None:
                 continue
+            held = True
             row = getattr(output, "sampling_mask", None)
             num_new = len(output.new_token_ids)
             if row is not None:
@@ -178,6 +195,10 @@ def wrap_process_outputs(original: Any) -> Any:
                 to_abort.append(output.request_id)
             state.streaming_input = False  # a failed streaming-input session ends too
             fail_output(output)
+        if not held:
+            # None of this step's outputs had a row list: forget the requests that finished or
+            # were aborted since, so that steps of opted-out requests alone skip the pass above.
+            mask_requests.intersection_update(states)
         result = original(self, engine_core_outputs, *args, **kwargs)
         result.reqs_to_abort.extend(to_abort)
         return result

@@ -114,6 +114,7 @@ def wrap_engine_init(original: Any) -> Any:
     built from a ``VllmConfig`` without ``EngineArgs``), the transport check, and the output
     processor's switch."""
     from vllm_sampling_mask.engine.arg_utils import check_vllm_config
+    from vllm_sampling_mask.engine.output_processor import enable_masks  # imports this module
 
     @functools.wraps(original)
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
@@ -122,6 +123,6 @@ def wrap_engine_init(original: Any) -> Any:
             check_vllm_config(vllm_config)
             check_client_decoder()
         original(self, vllm_config, *args, **kwargs)
-        self.output_processor.__dict__["sampling_mask_enabled"] = enabled
+        enable_masks(self.output_processor, enabled)
 
     return __init__
