@@ -196,9 +196,11 @@ def wrap_process_outputs(original: Any) -> Any:
             state.streaming_input = False  # a failed streaming-input session ends too
             fail_output(output)
         if not held:
-            # None of this step's outputs had a row list: forget the requests that finished or
-            # were aborted since, so that steps of opted-out requests alone skip the pass above.
-            mask_requests.intersection_update(states)
+            # None of these outputs had a row list: forget the requests that finished or were
+            # aborted since, so that steps of opted-out requests alone skip the pass above. (By
+            # the remembered ids, not the states: AsyncLLM hands a step over in chunks, and a
+            # chunk of opted-out outputs beside masked traffic must not cost a pass over all.)
+            mask_requests.difference_update([rid for rid in mask_requests if rid not in states])
         result = original(self, engine_core_outputs, *args, **kwargs)
         result.reqs_to_abort.extend(to_abort)
         return result
