@@ -272,7 +272,9 @@ class EngineUnderTest:
         self.llm = LLM(**kwargs)
         self.start_s = time.perf_counter() - began
         self.vllm_config = self.llm.llm_engine.vllm_config
-        self.vocab = min(len(self.llm.get_tokenizer()),
+        # The tokenizer's base vocabulary: ids added on top of it (a vision-language model's
+        # image placeholders) would ask for inputs a random prompt does not have.
+        self.vocab = min(self.llm.get_tokenizer().vocab_size,
                          self.vllm_config.model_config.get_vocab_size())
         self.rounds: dict[str, dict[int, list[dict[str, float]]]] = {
             mode: {b: [] for b in args.batch_sizes} for mode in self.modes}

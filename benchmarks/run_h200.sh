@@ -34,10 +34,12 @@
 #   families  the MoE, hybrid and vision-language GPU tests (carry .vstage5: MoE kernels;
 #             ~2 + 1 min for MoE and VL, the hybrid's Triton kernels compile on first use)
 #   hybrid    the hybrid's GPU test alone (its Triton kernels compile on first use; carry .vstage5)
-#   moe       the MoE's and the hybrid's stock / on throughput, eager, after `families` on the
-#             same machine (it builds both models)                                  (~8 min)
+#   moe       the MoE's and the hybrid's stock / on throughput, eager (builds both models as
+#             `families` does, or reuses them; carry .vstage5)                    (<= 9.5 min)
+#   vl        the vision-language model's stock / on throughput, eager, text prompts (builds
+#             it as `families` does, or reuses it)                                 (<= 3 min)
 #   spec_throughput  stock / on throughput under EAGLE (a draft from the target's own weights,
-#             Model Runner V2) and ngram (V1) speculative decoding, eager            (~8 min)
+#             Model Runner V2) and ngram (V1) speculative decoding, eager         (<= 9.5 min)
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
 #   paths     step costs of the sampling paths                                      (~1 min)
 #
@@ -101,6 +103,14 @@ if [ -z "$small" ] && compgen -G ".vstage4/*.so.xz" > /dev/null; then
   done
   echo "== flashinfer AOT modules installed from .vstage4: $(ls "$aot")"
 fi
+
+models=/root/models
+# family_models CALLS: the tiny_variants builders (target t = the Qwen3-0.6B-shaped model), the
+# widths test_gpu_model_families.py uses; each reuses a model already built.
+family_models() {
+  PYTHONPATH="$tests_path" step family_models 90 python3 -c "from tiny_variants import build_tiny_hybrid, build_tiny_moe, build_tiny_vl; \
+t = '$models/qwen3-0.6b'; $1"
+}
 
 flashinfer_jit() {
   step flashinfer_jit 540 python3 -c "import torch, flashinfer; x = torch.randn(4, 151936, \
@@ -175,23 +185,30 @@ case "${1:-}" in
       [ "$1" = hybrid ] && selection+=(-k hybrid)
       PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
         step "gpu_tests_$1" 560 python3 -m pytest -q -s -m gpu "${selection[@]}"
-    else  # the MoE and hybrid models the families test built (same machine)
-      bench bench_engine_throughput engine_moe 280 --model /root/models/qwen3-moe-tiny \
-        --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 4
-      bench bench_engine_throughput engine_hybrid 280 --model /root/models/qwen3-next-tiny \
-        --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 4 \
+    else  # the MoE and hybrid models of the families test, built here unless it ran
+      family_models "build_tiny_moe(t, '$models/qwen3-moe-tiny', hidden_size=512, head_dim=64); \
+build_tiny_hybrid(t, '$models/qwen3-next-tiny', hidden_size=512, head_dim=64)"
+      bench bench_engine_throughput engine_moe 170 --model "$models/qwen3-moe-tiny" \
+        --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 3
+      bench bench_engine_throughput engine_hybrid 300 --model "$models/qwen3-next-tiny" \
+        --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 3 \
         --engine-args '{"gdn_prefill_backend": "triton"}'
     fi
     ;;
+  vl)
+    family_models "build_tiny_vl(t, '$models/qwen2-vl-tiny')"
+    bench bench_engine_throughput engine_vl 170 --model "$models/qwen2-vl-tiny" \
+      --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 3
+    ;;
   spec_throughput)
     draft=/root/models/eagle-draft
-    PYTHONPATH="$tests_path" step eagle_draft 120 python3 -c "from tiny_variants import \
+    PYTHONPATH="$tests_path" step eagle_draft 90 python3 -c "from tiny_variants import \
 build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
-    bench bench_engine_throughput engine_eagle 280 --configs stock,on --interleave --pin 5 \
-      --batch-sizes 64,256 --reps 4 --engine-args \
+    bench bench_engine_throughput engine_eagle 270 --configs stock,on --interleave --pin 5 \
+      --batch-sizes 64,256 --reps 3 --engine-args \
       "{\"speculative_config\": {\"method\": \"eagle\", \"model\": \"$draft\", \"num_speculative_tokens\": 3}}"
     bench bench_engine_throughput engine_ngram 200 --configs stock,on --interleave --pin 5 \
-      --batch-sizes 64,256 --reps 4 --engine-args '{"speculative_config": {"method": "ngram",
+      --batch-sizes 64,256 --reps 3 --engine-args '{"speculative_config": {"method": "ngram",
       "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}'
     ;;
   profile)
@@ -203,7 +220,7 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|logprobs|http|v1|spec|spec_throughput|families|hybrid|moe|profile|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|logprobs|http|v1|spec|spec_throughput|families|hybrid|moe|vl|profile|paths" >&2
     exit 2
     ;;
 esac
