@@ -45,8 +45,9 @@ off's) in the same round, their median and range.
 difference through every round of one run on the H200 (``off`` against ``stock``) and not in
 the next: much of a process's speed is drawn once, at its start, so the rounds of one set of
 processes are not independent samples. ``paired_ratios`` then also has the median pair of each generation and a 95% interval
-from resampling whole generations (``pool_paired_rounds.summarize``). The JSON is written after
-every generation, so a run cut short by a time limit keeps the generations it finished.
+from resampling whole generations (``pool_paired_rounds.summarize``). With ``--interleave`` the
+JSON is written after every round (``"complete": false`` until the end), so a run cut short by
+a time limit keeps the rounds it finished.
 
 ``--same-process-optout`` removes that per-process draw from the mask engine's own cost: the
 ``on`` engine also runs every round with all its requests opted out (``on_optout``: vLLM's own
@@ -71,7 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,10 @@ def make_prompts(batch: int, round_index: int, prompt_len: int, vocab: int,
     return [TokensPrompt(prompt_token_ids=row.tolist()) for row in ids]
 
 
+NOT_CHECKED = {"ok": None, "rows": 0, "problems": []}
+"""``mask_check`` of a checkpoint taken before the generation's last round (the one checked)."""
+
+
 def check_masks(outputs: list[Any], on: bool) -> dict[str, Any]:
     """Masks present, aligned and containing the sampled token (on); absent (off)."""
     rows = lengths = 0
@@ -328,7 +333,7 @@ class EngineUnderTest:
         return {mode: common | {"by_batch": {str(b): {
             "median_tokens_per_s": statistics.median(x["tokens_per_s"] for x in rounds),
             "best_tokens_per_s": max(x["tokens_per_s"] for x in rounds),
-            "rounds": rounds, "mask_check": self.checks[mode][b]}
+            "rounds": rounds, "mask_check": self.checks[mode].get(b, NOT_CHECKED)}
             for b, rounds in self.rounds[mode].items()}} for mode in self.modes}
 
     def shutdown(self) -> None:
@@ -456,12 +461,15 @@ def run_config(name: str, args: argparse.Namespace, model: str) -> dict[str, dic
 
 
 def run_generation(names: list[str], generation: int, args: argparse.Namespace, model: str,
-                   argv: Sequence[str],
-                   pinning: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+                   argv: Sequence[str], pinning: dict[str, Any] | None,
+                   checkpoint: Callable[[dict[str, dict[str, Any]]], None]
+                   ) -> dict[str, dict[str, Any]]:
     """One generation: all ``names`` engines alive at once, each in a fresh process of its own
     (with ``--gpu-memory-utilization``, default 0.85 / their number; started in an order
     rotated by ``generation``), rounds ``generation * reps ...`` alternating between them (the
-    order flips every round), so a drift of the machine over time affects every config alike."""
+    order flips every round), so a drift of the machine over time affects every config alike.
+    ``checkpoint`` gets the generation's results after every round but its last (a run cut by
+    a time limit keeps the rounds it finished)."""
     share = args.gpu_memory_utilization or round(0.85 / len(names), 2)
     cpus = (pinning["frontend_cpus"], pinning["core_cpus"]) if pinning else None
     shift = generation % len(names)
@@ -474,13 +482,18 @@ def run_generation(names: list[str], generation: int, args: argparse.Namespace, 
             engine.build()
         for engine in engines:
             engine.warm_up()
+        def results() -> dict[str, dict[str, Any]]:
+            return {mode: result | {"isolated": True, "interleaved": True,
+                                    "gpu_memory_utilization": share}
+                    for e in engines for mode, result in e.results().items()}
+
         for r in range(generation * args.reps, (generation + 1) * args.reps):
             for b in args.batch_sizes:
                 for engine in (engines if r % 2 == 0 else engines[::-1]):
                     engine.run_round(b, r)
-        return {mode: result | {"isolated": True, "interleaved": True,
-                                "gpu_memory_utilization": share}
-                for e in engines for mode, result in e.results().items()}
+            if r < (generation + 1) * args.reps - 1:
+                checkpoint(results())
+        return results()
     finally:
         for engine in engines:
             engine.shutdown()
@@ -500,11 +513,12 @@ def merge_generations(generations: list[dict[str, dict[str, Any]]]) -> dict[str,
             rounds = [x | {"generation": g} for g, r in enumerate(runs)
                       for x in r["by_batch"][batch]["rounds"]]
             checks = [r["by_batch"][batch]["mask_check"] for r in runs]
+            oks = [c["ok"] for c in checks]
             result["by_batch"][batch] = {
                 "median_tokens_per_s": statistics.median(x["tokens_per_s"] for x in rounds),
                 "best_tokens_per_s": max(x["tokens_per_s"] for x in rounds),
                 "rounds": rounds,
-                "mask_check": {"ok": all(c["ok"] for c in checks),
+                "mask_check": {"ok": None if None in oks else all(oks),
                                "rows": sum(c["rows"] for c in checks),
                                "problems": [p for c in checks for p in c["problems"]][:5],
                                "by_generation": checks}}
@@ -646,8 +660,13 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     pinning = choose_cpus(args.pin) if args.pin else None
     generations: list[dict[str, dict[str, Any]]] = []
     for generation in range(args.generations):
+        def checkpoint(partial: dict[str, dict[str, Any]]) -> None:
+            write_report(args, model, pinning, results | merge_generations(
+                generations + [partial]), errors, final=False)
+
         try:
-            generations.append(run_generation(together, generation, args, model, argv, pinning))
+            generations.append(run_generation(together, generation, args, model, argv, pinning,
+                                              checkpoint))
         except Exception as exc:
             errors["+".join(together)] = (f"generation {generation}: "
                                           f"{type(exc).__name__}: {exc}"[:2000])
@@ -774,10 +793,11 @@ def markdown(report: dict) -> str:
                              for b, v in by_batch.items()))
     for n in names:
         r = results[n]
-        ok = all(x["mask_check"]["ok"] for x in r["by_batch"].values())
+        oks = [x["mask_check"]["ok"] for x in r["by_batch"].values()]
+        check = "not yet" if None in oks else "ok" if all(oks) else "FAILED"
         lines.append(f"{n}: engine start {r['engine_start_s']:.0f} s, MRV2 "
                      f"{r['use_v2_model_runner']}, logprobs_mode {r['logprobs_mode']}, "
-                     f"mask check {'ok' if ok else 'FAILED'}")
+                     f"mask check {check}")
     for n, error in report["errors"].items():
         lines.append(f"{n}: FAILED: {error.splitlines()[0] if error else ''}")
     runners = {results[n]["use_v2_model_runner"] for n in names}

@@ -146,7 +146,6 @@ case "${1:-}" in
       "${compiled[@]}" --reps 10
     ;;
   generations)
-    # The JSON is written after every generation: a run cut by the limit keeps what it finished.
     bench bench_engine_throughput engine_generations 570 --configs stock,on --same-process-optout \
       --interleave --pin 5 "${compiled[@]}" --generations 5 --reps 2
     ;;

@@ -127,3 +127,45 @@ def test_engine_throughput_pairs_the_on_engine_with_its_own_opted_out_rounds() -
     sequential = paired_ratios({"stock": result([110, 220], interleaved=False),
                                 "on": result([99, 198]), SAME_PROCESS_OPTOUT: result([100, 200])})
     assert list(sequential) == [f"on/{SAME_PROCESS_OPTOUT}"]
+
+
+def test_engine_throughput_checkpoints_every_round_but_a_generations_last(monkeypatch) -> None:
+    # A run cut by its time limit on the GPU machine must keep the rounds it finished: each
+    # interleaved round but the generation's last is handed to the checkpoint, unchecked masks
+    # marked as such, and the checkpoint merges into a report like the final one.
+    import argparse
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_engine_throughput as bench
+
+    class FakeEngine:
+        def __init__(self, name: str, *args, **kwargs) -> None:
+            self.name, self.rounds = name, {}
+
+        def build(self) -> None: ...
+
+        def warm_up(self) -> None: ...
+
+        def run_round(self, batch: int, round_index: int) -> None:
+            self.rounds.setdefault(batch, []).append(
+                {"tokens_per_s": 100.0 if self.name == "stock" else 90.0})
+
+        def results(self) -> dict:
+            done = len(self.rounds[64]) == 3
+            check = {"ok": True, "rows": 1, "problems": []} if done else bench.NOT_CHECKED
+            return {self.name: {"engine_start_s": 1.0, "interleaved": True, "by_batch": {
+                str(b): {"rounds": list(r), "mask_check": check}
+                for b, r in self.rounds.items()}}}
+
+        def shutdown(self) -> None: ...
+
+    monkeypatch.setattr(bench, "EngineProcess", FakeEngine)
+    monkeypatch.setattr(bench, "free_gpu_memory", lambda: None)
+    args = argparse.Namespace(gpu_memory_utilization=None, reps=3, batch_sizes=[64, 256])
+    checkpoints: list[dict] = []
+    final = bench.run_generation(["stock", "on"], 0, args, "model", [], None, checkpoints.append)
+    assert [len(c["on"]["by_batch"]["256"]["rounds"]) for c in checkpoints] == [1, 2]
+    partial = bench.merge_generations([checkpoints[-1]])
+    assert partial["on"]["by_batch"]["64"]["mask_check"]["ok"] is None
+    assert bench.paired_ratios(partial)["on/stock"]["64"]["median"] == pytest.approx(0.9)
+    assert bench.merge_generations([final])["on"]["by_batch"]["64"]["mask_check"]["ok"] is True
