@@ -37,7 +37,7 @@
 #   moe       the MoE's and the hybrid's stock / on throughput, eager (builds both models as
 #             `families` does, or reuses them; carry .vstage5)                    (<= 9.5 min)
 #   vl        the vision-language model's stock / on throughput, eager, text prompts (builds
-#             it as `families` does, or reuses it)                                 (<= 3 min)
+#             it as `families` does, or reuses it)                                 (<= 5 min)
 #   spec_throughput  stock / on throughput under EAGLE (a draft from the target's own weights,
 #             Model Runner V2) and ngram (V1) speculative decoding, eager         (<= 9.5 min)
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
@@ -108,7 +108,7 @@ models=/root/models
 # family_models CALLS: the tiny_variants builders (target t = the Qwen3-0.6B-shaped model), the
 # widths test_gpu_model_families.py uses; each reuses a model already built.
 family_models() {
-  PYTHONPATH="$tests_path" step family_models 90 python3 -c "from tiny_variants import build_tiny_hybrid, build_tiny_moe, build_tiny_vl; \
+  PYTHONPATH="$tests_path" step family_models 60 python3 -c "from tiny_variants import build_tiny_hybrid, build_tiny_moe, build_tiny_vl; \
 t = '$models/qwen3-0.6b'; $1"
 }
 
@@ -187,26 +187,26 @@ case "${1:-}" in
     else  # the MoE and hybrid models of the families test, built here unless it ran
       family_models "build_tiny_moe(t, '$models/qwen3-moe-tiny', hidden_size=512, head_dim=64); \
 build_tiny_hybrid(t, '$models/qwen3-next-tiny', hidden_size=512, head_dim=64)"
-      bench bench_engine_throughput engine_moe 170 --model "$models/qwen3-moe-tiny" \
+      bench bench_engine_throughput engine_moe 210 --model "$models/qwen3-moe-tiny" \
         --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 3
-      bench bench_engine_throughput engine_hybrid 300 --model "$models/qwen3-next-tiny" \
+      bench bench_engine_throughput engine_hybrid 310 --model "$models/qwen3-next-tiny" \
         --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 3 \
         --engine-args '{"gdn_prefill_backend": "triton"}'
     fi
     ;;
   vl)
     family_models "build_tiny_vl(t, '$models/qwen2-vl-tiny')"
-    bench bench_engine_throughput engine_vl 170 --model "$models/qwen2-vl-tiny" \
+    bench bench_engine_throughput engine_vl 230 --model "$models/qwen2-vl-tiny" \
       --configs stock,on --interleave --pin 5 --batch-sizes 64,256 --reps 3
     ;;
   spec_throughput)
     draft=/root/models/eagle-draft
-    PYTHONPATH="$tests_path" step eagle_draft 90 python3 -c "from tiny_variants import \
+    PYTHONPATH="$tests_path" step eagle_draft 60 python3 -c "from tiny_variants import \
 build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
-    bench bench_engine_throughput engine_eagle 270 --configs stock,on --interleave --pin 5 \
+    bench bench_engine_throughput engine_eagle 295 --configs stock,on --interleave --pin 5 \
       --batch-sizes 64,256 --reps 3 --engine-args \
       "{\"speculative_config\": {\"method\": \"eagle\", \"model\": \"$draft\", \"num_speculative_tokens\": 3}}"
-    bench bench_engine_throughput engine_ngram 200 --configs stock,on --interleave --pin 5 \
+    bench bench_engine_throughput engine_ngram 230 --configs stock,on --interleave --pin 5 \
       --batch-sizes 64,256 --reps 3 --engine-args '{"speculative_config": {"method": "ngram",
       "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}'
     ;;
