@@ -165,16 +165,24 @@ def _undo_row_deltas(lengths: np.ndarray, deltas: np.ndarray, total: int) -> np.
 
 def _varint_bytes(values: np.ndarray) -> bytes:
     """Unsigned LEB128 of every value of ``values`` (``[N]`` int64, each in [0, 2**31)): one
-    byte per 7 bits, the high bit set on every byte but each value's last. Built as one flat
-    array (each value repeated once per byte it needs), not a pass per byte position."""
+    byte per 7 bits, the high bit set on every byte but each value's last. Built column by
+    column over an ``[N, width]`` table (width: the bytes of the largest value), then every
+    value's bytes taken in order by one row-major selection."""
     v = values.astype(np.uint32)
-    nbytes = np.searchsorted(_VARINT_LIMITS, v, side="right") + 1
-    ends = np.cumsum(nbytes)
-    position = np.arange(int(ends[-1]) if ends.size else 0) - np.repeat(ends - nbytes, nbytes)
-    out = ((np.repeat(v, nbytes) >> (7 * position).astype(np.uint32)) & 0x7F).astype(np.uint8)
-    out |= 0x80
-    out[ends - 1] &= 0x7F
-    return out.tobytes()
+    if v.size == 0:
+        return b""
+    width = int(np.searchsorted(_VARINT_LIMITS, v.max(), side="right")) + 1
+    groups = np.empty((v.size, width), dtype=np.uint8)
+    keep = np.empty((v.size, width), dtype=bool)  # the bytes each value needs
+    keep[:, 0] = True
+    for j in range(width):
+        rest = v >> (7 * j)
+        if j + 1 < width:
+            keep[:, j + 1] = rest >= 0x80  # another byte follows
+            groups[:, j] = (rest & 0x7F) | (keep[:, j + 1].view(np.uint8) << 7)
+        else:
+            groups[:, j] = rest
+    return groups[keep].tobytes()
 
 
 def _varint_values(raw: bytes) -> np.ndarray:
