@@ -482,6 +482,7 @@ def run_generation(names: list[str], generation: int, args: argparse.Namespace, 
             engine.build()
         for engine in engines:
             engine.warm_up()
+
         def results() -> dict[str, dict[str, Any]]:
             return {mode: result | {"isolated": True, "interleaved": True,
                                     "gpu_memory_utilization": share}
