@@ -40,6 +40,11 @@
 #             it as `families` does, or reuses it)                                 (<= 5 min)
 #   spec_throughput  stock / on throughput under EAGLE (a draft from the target's own weights,
 #             Model Runner V2) and ngram (V1) speculative decoding, eager         (<= 9.5 min)
+#   layouts   on `nvidia-h200-x2` (two GPUs; the set-up calls again there, .vstage5 carried
+#             for the MoE): the GPU tests of TP=2, PP=2, expert parallelism (MoE) and DP=2
+#             behind `vllm serve`                                                  (<= 9.5 min)
+#   layouts_throughput  on `nvidia-h200-x2`: stock / on throughput with TP=2 and PP=2, eager
+#                                                                                  (<= 9.5 min)
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
 #   paths     step costs of the sampling paths                                      (~1 min)
 #
@@ -112,6 +117,19 @@ family_models() {
 t = '$models/qwen3-0.6b'; $1"
 }
 
+# vLLM's MoE kernels and compressed-tensors, which the slim build leaves out: .vstage5
+# (moe_C.so.xz, the compressed_tensors and loguru wheels; benchmarks/README), carried alone.
+# Not under SMALL=1, which runs on the dev machine's own vLLM.
+install_moe_kernels() {
+  if [ -z "$small" ] && [ -f .vstage5/moe_C.so.xz ]; then
+    local site
+    site=$(package_dir vllm)/.. || exit 1
+    xz -dc .vstage5/moe_C.so.xz > "$site/vllm/_moe_C_stable_libtorch.abi3.so"
+    python3 -m pip install -q --no-index --no-deps --target "$site" .vstage5/*.whl 2>&1 \
+      | grep -v "WARNING: Target directory" || true
+  fi
+}
+
 flashinfer_jit() {
   step flashinfer_jit 540 python3 -c "import torch, flashinfer; x = torch.randn(4, 151936, \
 device='cuda'); flashinfer.top_k(x, 50, sorted=True, deterministic=True); \
@@ -168,17 +186,20 @@ case "${1:-}" in
     PYTHONPATH="$PWD/tests/hang_dump:$tests_path" HANG_DUMP_S=250 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
       step gpu_tests_spec 300 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_speculative.py
     ;;
+  layouts)
+    install_moe_kernels
+    PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+      step gpu_tests_layouts 570 python3 -m pytest -q -s -m gpu tests/test_gpu_parallel_layouts.py
+    ;;
+  layouts_throughput)
+    for layout in tensor pipeline; do
+      bench bench_engine_throughput "engine_${layout}_parallel" 285 --configs stock,on \
+        --interleave --pin 5 --batch-sizes 64,256 --reps 3 \
+        --engine-args "{\"${layout}_parallel_size\": 2}"
+    done
+    ;;
   families|hybrid|moe)
-    # vLLM's MoE kernels and compressed-tensors, which the slim build leaves out: .vstage5
-    # (moe_C.so.xz, the compressed_tensors and loguru wheels; benchmarks/README), carried alone.
-    # Not under SMALL=1, which runs on the dev machine's own vLLM.
-    if [ -z "$small" ] && [ -f .vstage5/moe_C.so.xz ]; then
-      site=$(package_dir vllm) || exit 1
-      site=$site/..
-      xz -dc .vstage5/moe_C.so.xz > "$site/vllm/_moe_C_stable_libtorch.abi3.so"
-      python3 -m pip install -q --no-index --no-deps --target "$site" .vstage5/*.whl 2>&1 \
-        | grep -v "WARNING: Target directory" || true
-    fi
+    install_moe_kernels
     if [ "$1" != moe ]; then  # families: the whole file; hybrid: its test alone
       selection=(tests/test_gpu_model_families.py)
       [ "$1" = hybrid ] && selection+=(-k hybrid)
@@ -219,7 +240,7 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|logprobs|http|v1|spec|spec_throughput|families|hybrid|moe|vl|profile|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|logprobs|http|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile|paths" >&2
     exit 2
     ;;
 esac
