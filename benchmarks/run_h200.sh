@@ -40,9 +40,11 @@
 #             it as `families` does, or reuses it)                                 (<= 5 min)
 #   spec_throughput  stock / on throughput under EAGLE (a draft from the target's own weights,
 #             Model Runner V2) and ngram (V1) speculative decoding, eager         (<= 9.5 min)
-#   layouts   on `nvidia-h200-x2` (two GPUs; the set-up calls again there, .vstage5 carried
+#   layouts [K]  on `nvidia-h200-x2` (two GPUs; the set-up calls again there, .vstage5 carried
 #             for the MoE): the GPU tests of TP=2, PP=2, expert parallelism (MoE) and DP=2
-#             behind `vllm serve`                                                  (<= 9.5 min)
+#             behind `vllm serve`; K, a pytest -k expression, selects some of them (four engine
+#             starts may not fit one call: e.g. `layouts "tensor or pipeline"`, then
+#             `layouts "expert or data"`)                                          (<= 9.5 min)
 #   layouts_throughput  on `nvidia-h200-x2`: stock / on throughput with TP=2 and PP=2, eager
 #                                                                                  (<= 9.5 min)
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
@@ -119,11 +121,12 @@ t = '$models/qwen3-0.6b'; $1"
 
 # vLLM's MoE kernels and compressed-tensors, which the slim build leaves out: .vstage5
 # (moe_C.so.xz, the compressed_tensors and loguru wheels; benchmarks/README), carried alone.
-# Not under SMALL=1, which runs on the dev machine's own vLLM.
+# Only where they are missing (a full vLLM install has both), never under SMALL=1.
 install_moe_kernels() {
-  if [ -z "$small" ] && [ -f .vstage5/moe_C.so.xz ]; then
-    local site
-    site=$(package_dir vllm)/.. || exit 1
+  local site
+  site=$(package_dir vllm)/.. || exit 1
+  if [ -z "$small" ] && [ -f .vstage5/moe_C.so.xz ] \
+      && [ ! -f "$site/vllm/_moe_C_stable_libtorch.abi3.so" ]; then
     xz -dc .vstage5/moe_C.so.xz > "$site/vllm/_moe_C_stable_libtorch.abi3.so"
     python3 -m pip install -q --no-index --no-deps --target "$site" .vstage5/*.whl 2>&1 \
       | grep -v "WARNING: Target directory" || true
@@ -189,7 +192,8 @@ case "${1:-}" in
   layouts)
     install_moe_kernels
     PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-      step gpu_tests_layouts 570 python3 -m pytest -q -s -m gpu tests/test_gpu_parallel_layouts.py
+      step gpu_tests_layouts 570 python3 -m pytest -q -s -m gpu tests/test_gpu_parallel_layouts.py \
+      ${2:+-k "$2"}
     ;;
   layouts_throughput)
     for layout in tensor pipeline; do
