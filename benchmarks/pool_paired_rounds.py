@@ -18,7 +18,12 @@ With few clusters the interval is wide, which is the point::
         --baseline stock --out bench_out/pooled.json --png bench_out/pooled.png
 
 Files without the baseline or a config, or where either did not run interleaved (the
-``interleaved`` flag of each engine's result), are skipped for that config. ``--png`` plots the medians
+``interleaved`` flag of each engine's result), are skipped for that config. Reports of
+``bench_http_throughput.py`` pool the same way, each concurrency as a batch size (its modes
+alternate round by round on one server)::
+
+    python benchmarks/pool_paired_rounds.py docs/results/http_throughput_h200_*.json \
+        --baseline off --configs compact,json ``--png`` plots the medians
 with their intervals against batch size (needs matplotlib).
 """
 
@@ -58,6 +63,20 @@ def paired_log_ratios(report: dict[str, Any], config: str,
                 math.log(a["tokens_per_s"] / b["tokens_per_s"]))
         pairs[batch] = list(clusters.values())
     return pairs
+
+
+def engine_shaped(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` as ``paired_log_ratios`` reads it: a ``bench_http_throughput.py`` report
+    (``results[concurrency][mode]["rounds"]``, told by its ``server_command``) becomes one
+    interleaved result per mode with a "batch size" per concurrency; others are returned as is."""
+    if "server_command" not in report:
+        return report
+    results: dict[str, Any] = {}
+    for concurrency, modes in report["results"].items():
+        for mode, result in modes.items():
+            results.setdefault(mode, {"interleaved": True, "by_batch": {}})["by_batch"][
+                concurrency] = {"rounds": result["rounds"]}
+    return {"results": results}
 
 
 def summarize(clusters: list[list[float]], seed: int = 0) -> dict[str, float]:
@@ -133,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--png", type=Path, help="Also plot the pooled ratios here.")
     args = parser.parse_args(argv)
-    reports = [json.loads(path.read_text()) for path in args.files]
+    reports = [engine_shaped(json.loads(path.read_text())) for path in args.files]
     result = {"files": [str(p) for p in args.files],
               "pooled": pool(reports, args.configs.split(","), args.baseline)}
     for name, by_batch in result["pooled"].items():

@@ -169,3 +169,22 @@ def test_engine_throughput_checkpoints_every_round_but_a_generations_last(monkey
     assert partial["on"]["by_batch"]["64"]["mask_check"]["ok"] is None
     assert bench.paired_ratios(partial)["on/stock"]["64"]["median"] == pytest.approx(0.9)
     assert bench.merge_generations([final])["on"]["by_batch"]["64"]["mask_check"]["ok"] is True
+
+
+def test_pool_paired_rounds_reads_http_reports() -> None:
+    # bench_http_throughput.py's modes alternate on one server: each concurrency pools as a
+    # batch size, each report as a cluster.
+    sys.path.insert(0, str(BENCHMARKS))
+    from pool_paired_rounds import engine_shaped, pool
+
+    def report(off: list[float], compact: list[float]) -> dict:
+        return {"server_command": ["vllm", "serve"], "results": {"64": {
+            "off": {"rounds": [{"tokens_per_s": v} for v in off]},
+            "compact": {"rounds": [{"tokens_per_s": v} for v in compact]}}}}
+
+    reports = [engine_shaped(report([100, 200], [90, 180])), engine_shaped(report([100], [100]))]
+    summary = pool(reports, ["compact"], "off")["compact/off"]["64"]
+    assert (summary["pairs"], summary["clusters"]) == (3, 2)
+    assert summary["median"] == pytest.approx(0.9)
+    engine_report = {"results": {"stock": {}}}
+    assert engine_shaped(engine_report) is engine_report
