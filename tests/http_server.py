@@ -39,6 +39,16 @@ class Server:
     def client(self, timeout: float = 300.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
+    def finished_by_engine(self) -> dict[str, float]:
+        """Requests finished per engine (the ``engine`` label of vLLM's
+        ``vllm:request_success_total``): which engines of a data-parallel server served."""
+        finished: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
+            if line.startswith("vllm:request_success_total{"):
+                engine = line.split('engine="', 1)[1].split('"', 1)[0]
+                finished[engine] = finished.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+        return finished
+
     def metrics(self) -> dict[str, float]:
         """``/metrics`` samples without labels, plus vLLM's request gauges summed over labels."""
         text = httpx.get(f"{self.url}/metrics", timeout=30).text

@@ -15,7 +15,6 @@ import concurrent.futures
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 
 from engine_cases import run_result_script
@@ -64,11 +63,7 @@ def test_data_parallel_server_rows_from_both_engines(tiny_model_dir: str,
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             choices = [c for body in pool.map(generate, range(8)) for c in body["choices"]]
-        finished = {}  # requests finished per engine (vLLM's engine label)
-        for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
-            if line.startswith("vllm:request_success_total{"):
-                engine = line.split('engine="', 1)[1].split('"', 1)[0]
-                finished[engine] = finished.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+        finished = server.finished_by_engine()
     assert len(choices) == 8
     for choice in choices:
         assert len(choice["token_ids"]) == 10

@@ -17,7 +17,6 @@ import os
 import random
 from pathlib import Path
 
-import httpx
 import pytest
 
 from engine_cases import run_result_script
@@ -83,11 +82,7 @@ def test_data_parallel_server_rows_from_both_engines() -> None:
 
         with concurrent.futures.ThreadPoolExecutor(64) as pool:
             choices = [c for body in pool.map(generate, bodies) for c in body["choices"]]
-        finished = {}  # requests finished per engine (vLLM's engine label)
-        for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
-            if line.startswith("vllm:request_success_total{"):
-                engine = line.split('engine="', 1)[1].split('"', 1)[0]
-                finished[engine] = finished.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+        finished = server.finished_by_engine()
     problems = [p for c in choices for p in mask_problems(c["token_ids"], c["sampling_mask"], vocab)]
     tokens = sum(len(c["token_ids"]) for c in choices)
     print(f"GPU_LAYOUT_SUMMARY DP=2 requests={len(choices)} tokens={tokens} "

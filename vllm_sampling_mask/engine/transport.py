@@ -114,7 +114,7 @@ def wrap_engine_init(original: Any) -> Any:
     built from a ``VllmConfig`` without ``EngineArgs``), the transport check, and the output
     processor's switch."""
     from vllm_sampling_mask.engine.arg_utils import check_vllm_config
-    from vllm_sampling_mask.engine.output_processor import enable_masks  # imports this module
+    from vllm_sampling_mask.engine.output_processor import enable_masks  # here: it imports us
 
     @functools.wraps(original)
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
