@@ -307,15 +307,18 @@ class EngineUnderTest:
     def run_mode_round(self, mode: str, batch: int, round_index: int) -> None:
         prompts = make_prompts(batch, round_index, self.args.prompt_len, self.vocab,
                                variant=self.modes.index(mode))
+        cpu_before = thread_cpu_times()
         t0 = time.perf_counter()
         outputs = self.llm.generate(prompts, self.params(self.args.output_len, mode),
                                     use_tqdm=False)
         seconds = time.perf_counter() - t0
+        busy = busiest_threads(cpu_before, thread_cpu_times(), seconds)
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         self.rounds[mode][batch].append({"seconds": seconds, "output_tokens": tokens,
-                                         "tokens_per_s": tokens / seconds})
+                                         "tokens_per_s": tokens / seconds} | busy)
         print(f"[{mode}] B={batch} round {round_index}: {tokens / seconds:,.0f} tok/s "
-              f"({tokens} tokens, {seconds:.2f} s)", flush=True)
+              f"({tokens} tokens, {seconds:.2f} s; busiest thread busy: frontend "
+              f"{busy['frontend_busy']:.2f}, engine core {busy['core_busy']:.2f})", flush=True)
         if round_index % self.args.reps == self.args.reps - 1:  # a generation's last round
             self.checks[mode][batch] = check_masks(outputs, on=mode == "on")
 
@@ -563,6 +566,37 @@ def pin_process_tree(frontend_cpus: list[int], core_cpus: list[int]) -> dict[str
     return counts
 
 
+def thread_cpu_times() -> dict[str, dict[int, float]]:
+    """CPU seconds (user + system) so far of every thread: ``{"frontend": {tid: s}, "core":
+    {tid: s}}``, this process's threads and its descendants' (the engine core)."""
+    import psutil  # a vLLM requirement
+
+    this = psutil.Process()
+    times: dict[str, dict[int, float]] = {"frontend": {}, "core": {}}
+    for process, key in [(this, "frontend")] + [
+            (child, "core") for child in this.children(recursive=True)]:
+        try:
+            for thread in process.threads():
+                times[key][thread.id] = thread.user_time + thread.system_time
+        except psutil.NoSuchProcess:
+            pass
+    return times
+
+
+def busiest_threads(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]],
+                    seconds: float) -> dict[str, float]:
+    """Over a round of ``seconds``: the busiest thread's CPU time / wall time in the frontend
+    and in the engine core (``frontend_busy``, ``core_busy``; ~1: that thread bounds the round,
+    Python threads being serial), and each side's CPU seconds per wall second over all its
+    threads (``frontend_cpu``, ``core_cpu``)."""
+    out: dict[str, float] = {}
+    for key in ("frontend", "core"):
+        deltas = [t - before[key].get(tid, 0.0) for tid, t in after[key].items()]
+        out[f"{key}_busy"] = max(deltas, default=0.0) / seconds
+        out[f"{key}_cpu"] = sum(deltas) / seconds
+    return out
+
+
 def shutdown(llm: Any) -> None:
     """Stop the engine-core process now (instead of at garbage collection)."""
     try:
@@ -792,6 +826,13 @@ def markdown(report: dict) -> str:
                              f"B={b} " + "/".join(f"{g:.3f}" for g in v["by_generation"])
                              + f" [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
                              for b, v in by_batch.items()))
+    for n in names:
+        busy = [(b, [x["frontend_busy"] for x in v["rounds"]], [x["core_busy"] for x in v["rounds"]])
+                for b, v in results[n]["by_batch"].items() if "core_busy" in v["rounds"][0]]
+        if busy:
+            lines.append(f"{n}: busiest thread's CPU / wall, median round, frontend / engine core: "
+                         + ", ".join(f"B={b} {statistics.median(f):.2f} / "
+                                     f"{statistics.median(c):.2f}" for b, f, c in busy))
     for n in names:
         r = results[n]
         oks = [x["mask_check"]["ok"] for x in r["by_batch"].values()]

@@ -188,3 +188,16 @@ def test_pool_paired_rounds_reads_http_reports() -> None:
     assert summary["median"] == pytest.approx(0.9)
     engine_report = {"results": {"stock": {}}}
     assert engine_shaped(engine_report) is engine_report
+
+
+def test_engine_throughput_reports_the_busiest_thread_of_each_side() -> None:
+    # Which process bounds a round: the busiest thread's CPU seconds over the round's wall time,
+    # from per-thread totals before and after (a thread started during the round counts from 0).
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_engine_throughput import busiest_threads
+
+    before = {"frontend": {1: 10.0, 2: 5.0}, "core": {7: 100.0}}
+    after = {"frontend": {1: 11.5, 2: 5.5}, "core": {7: 101.0, 8: 1.8}}
+    busy = busiest_threads(before, after, seconds=2.0)
+    assert busy == pytest.approx({"frontend_busy": 0.75, "frontend_cpu": 1.0,
+                                  "core_busy": 0.9, "core_cpu": 1.4})
