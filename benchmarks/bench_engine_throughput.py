@@ -76,6 +76,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from thread_load import busiest_threads, thread_cpu_times
+
 CONFIG_ORDER = ("stock", "off", "on", "optout")
 # The opted-out rounds that an ``on`` engine runs beside its own (``--same-process-optout``).
 SAME_PROCESS_OPTOUT = "on_optout"
@@ -307,12 +309,12 @@ class EngineUnderTest:
     def run_mode_round(self, mode: str, batch: int, round_index: int) -> None:
         prompts = make_prompts(batch, round_index, self.args.prompt_len, self.vocab,
                                variant=self.modes.index(mode))
-        cpu_before = thread_cpu_times()
+        cpu_before = thread_cpu_times(os.getpid())
         t0 = time.perf_counter()
         outputs = self.llm.generate(prompts, self.params(self.args.output_len, mode),
                                     use_tqdm=False)
         seconds = time.perf_counter() - t0
-        busy = busiest_threads(cpu_before, thread_cpu_times(), seconds)
+        busy = busiest_threads(cpu_before, thread_cpu_times(os.getpid()), seconds)
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         self.rounds[mode][batch].append({"seconds": seconds, "output_tokens": tokens,
                                          "tokens_per_s": tokens / seconds} | busy)
@@ -564,37 +566,6 @@ def pin_process_tree(frontend_cpus: list[int], core_cpus: list[int]) -> dict[str
         except psutil.NoSuchProcess:
             pass
     return counts
-
-
-def thread_cpu_times() -> dict[str, dict[int, float]]:
-    """CPU seconds (user + system) so far of every thread: ``{"frontend": {tid: s}, "core":
-    {tid: s}}``, this process's threads and its descendants' (the engine core)."""
-    import psutil  # a vLLM requirement
-
-    this = psutil.Process()
-    times: dict[str, dict[int, float]] = {"frontend": {}, "core": {}}
-    for process, key in [(this, "frontend")] + [
-            (child, "core") for child in this.children(recursive=True)]:
-        try:
-            for thread in process.threads():
-                times[key][thread.id] = thread.user_time + thread.system_time
-        except psutil.NoSuchProcess:
-            pass
-    return times
-
-
-def busiest_threads(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]],
-                    seconds: float) -> dict[str, float]:
-    """Over a round of ``seconds``: the busiest thread's CPU time / wall time in the frontend
-    and in the engine core (``frontend_busy``, ``core_busy``; ~1: that thread bounds the round,
-    Python threads being serial), and each side's CPU seconds per wall second over all its
-    threads (``frontend_cpu``, ``core_cpu``)."""
-    out: dict[str, float] = {}
-    for key in ("frontend", "core"):
-        deltas = [t - before[key].get(tid, 0.0) for tid, t in after[key].items()]
-        out[f"{key}_busy"] = max(deltas, default=0.0) / seconds
-        out[f"{key}_cpu"] = sum(deltas) / seconds
-    return out
 
 
 def shutdown(llm: Any) -> None:

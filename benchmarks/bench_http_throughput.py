@@ -52,6 +52,7 @@ from typing import Any
 
 # This script's directory is on sys.path.
 from http_smoke import Client, contract, free_port, running_server
+from thread_load import busiest_threads, thread_cpu_times
 
 ENDPOINT = "/inference/v1/generate"
 DEFAULT_MODEL = "/root/models/qwen3-0.6b"
@@ -174,10 +175,12 @@ def response_problem(mode: str, status: int, content: bytes) -> tuple[int, int, 
 def run_round(client: Client, bodies: list[dict[str, Any]], mode: str,
               concurrency: int) -> dict[str, Any]:
     """Send ``bodies`` from ``concurrency`` threads, time the round, then check every response."""
+    cpu_before = thread_cpu_times(client.server_pid)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda body: timed_post(client, body), bodies))
     seconds = time.perf_counter() - start
+    busy = busiest_threads(cpu_before, thread_cpu_times(client.server_pid), seconds)
     tokens = kept_ids = 0
     problems = []
     for status, content, _ in results:
@@ -192,7 +195,7 @@ def run_round(client: Client, bodies: list[dict[str, Any]], mode: str,
             "mean_latency_s": statistics.fmean(s for _, _, s in results),
             "mean_row_width": kept_ids / tokens if mode != "off" and tokens else None,
             "failed_requests": sum(status != 200 for status, _, _ in results),
-            "violations": len(problems), "problems": problems[:5]}
+            "violations": len(problems), "problems": problems[:5]} | busy
 
 
 def run_concurrency(client: Client, args: argparse.Namespace,
@@ -210,7 +213,9 @@ def run_concurrency(client: Client, args: argparse.Namespace,
             rounds[mode].append(result)
             print(f"[C={concurrency} {mode}] round {r}: {result['tokens_per_s']:,.1f} tok/s, "
                   f"{result['mean_response_bytes']:,.0f} B/request, "
-                  f"{result['violations']} violations", flush=True)
+                  f"{result['violations']} violations; busiest thread busy: API server "
+                  f"{result['frontend_busy']:.2f}, engine core {result['core_busy']:.2f}",
+                  flush=True)
     by_mode = {}
     for mode, mode_rounds in rounds.items():
         by_mode[mode] = {
@@ -246,16 +251,24 @@ def markdown(report: dict[str, Any]) -> str:
              f"{c['max_tokens']} tokens, top_k {SAMPLING['top_k']}, top_p {SAMPLING['top_p']}, "
              f"median of {c['rounds']} rounds")
     header = ("| C | mode | requests | tok/s | req/s | bytes/request | mean latency s "
-              "| tok/s vs off | violations |")
-    lines = [title, "", header, "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| tok/s vs off | violations | busiest thread: API server / engine core |")
+    lines = [title, "", header, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for concurrency, by_mode in report["results"].items():
         for mode, r in by_mode.items():
             lines.append(
                 f"| {concurrency} | {mode} | {r['requests']} | {r['median_tokens_per_s']:,.1f} | "
                 f"{r['median_requests_per_s']:,.2f} | {r['median_mean_response_bytes']:,.0f} | "
                 f"{r['median_mean_latency_s']:.3f} | {r['tokens_per_s_vs_off']:.3f} | "
-                f"{r['violations']} |")
+                f"{r['violations']} | {busy_cell(r['rounds'])} |")
     return "\n".join(lines)
+
+
+def busy_cell(rounds: list[dict[str, Any]]) -> str:
+    """The rounds' median busiest-thread load (CPU / wall) of the server's two sides."""
+    if "core_busy" not in rounds[0]:  # a report from before the field
+        return "-"
+    return " / ".join(f"{statistics.median(x[key] for x in rounds):.2f}"
+                      for key in ("frontend_busy", "core_busy"))
 
 
 def summary(report: dict[str, Any]) -> dict[str, Any]:

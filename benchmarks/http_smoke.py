@@ -46,6 +46,7 @@ PROMPT_IDS = [100, 200, 300, 400, 500, 600, 700, 800, 900, 999]  # in any vocabu
 class Client:
     def __init__(self, host: str, port: int, timeout: float = 600):
         self.host, self.port, self.timeout = host, port, timeout
+        self.server_pid: int | None = None  # set by running_server
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
         request = urllib.request.Request(f"http://{self.host}:{self.port}{path}",
@@ -299,7 +300,8 @@ def running_server(cmd: list[str], env: dict[str, str] | None, log_path: Path | 
         except (urllib.error.URLError, ConnectionError, OSError):
             return False
 
-    with serve_process(cmd, env, Path(log_path), healthy, startup_timeout):
+    with serve_process(cmd, env, Path(log_path), healthy, startup_timeout) as process:
+        client.server_pid = process.pid
         yield client
 
 

@@ -194,7 +194,7 @@ def test_engine_throughput_reports_the_busiest_thread_of_each_side() -> None:
     # Which process bounds a round: the busiest thread's CPU seconds over the round's wall time,
     # from per-thread totals before and after (a thread started during the round counts from 0).
     sys.path.insert(0, str(BENCHMARKS))
-    from bench_engine_throughput import busiest_threads
+    from thread_load import busiest_threads
 
     before = {"frontend": {1: 10.0, 2: 5.0}, "core": {7: 100.0}}
     after = {"frontend": {1: 11.5, 2: 5.5}, "core": {7: 101.0, 8: 1.8}}
