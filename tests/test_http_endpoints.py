@@ -85,7 +85,8 @@ def stream_choices(client: httpx.Client, path: str, body: dict[str, Any]) -> dic
 
 # vLLM 0.26's TITO endpoint mishandles n > 1, with or without this plugin: non-streaming with the
 # default CUMULATIVE output kind it returns only the last child's choice (FINAL_ONLY, 2, returns
-# all of them), and streaming fails with IndexError. So: n > 1 only non-streaming + FINAL_ONLY.
+# all of them), and streaming fails with IndexError. A non-streamed request with masks and the
+# default output kind runs FINAL_ONLY, so it gets every choice.
 FINAL_ONLY = 2
 
 
@@ -95,8 +96,8 @@ def tito_body(**extra: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("params", [{"n": 2, "output_kind": FINAL_ONLY, "logprobs": 1},
-                                    {"seed": None}],
-                         ids=["n2_final_only_logprobs", "n1_unseeded"])
+                                    {"n": 2}, {"seed": None}],
+                         ids=["n2_final_only_logprobs", "n2_default_output_kind", "n1_unseeded"])
 def test_tito_every_choice_carries_its_mask(client, vocab_size, params) -> None:
     body = post(client, "/inference/v1/generate", tito_body(params=params))
     assert len(body["choices"]) == params.get("n", 1)

@@ -337,3 +337,30 @@ def test_streamed_chat_with_logprobs_and_a_parser_sends_every_chunk(
                               n=None, vllm_xargs=None)
     _run(chat_completion.wrap_create_chat_completion(vllm_chat)(serving, request))
     assert serving.errors == [] and seen == [forced]
+
+
+@pytest.mark.parametrize("stream, params, expected", [
+    (False, {}, "FINAL_ONLY"),  # masks, default output kind: the last output only
+    (False, {"output_kind": 1}, "DELTA"),  # the client's choice stands
+    (False, {"extra_args": {"return_sampling_mask": False}}, "CUMULATIVE"),  # no masks: vLLM's
+    (True, {}, "CUMULATIVE"),  # streamed: vLLM itself makes it DELTA later
+])
+def test_tito_non_streamed_masked_requests_ask_for_the_final_output_only(stream, params,
+                                                                         expected) -> None:
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+    from vllm.sampling_params import RequestOutputKind
+
+    from vllm_sampling_mask.entrypoints.token_in_token_out import wrap_serve_tokens
+
+    seen = []
+
+    async def serve_tokens(self: Any, request: Any, raw_request: Any = None) -> str:
+        seen.append(request.sampling_params.output_kind)
+        return "response"
+
+    serving = SimpleNamespace(engine_client=SimpleNamespace(vllm_config=SimpleNamespace(
+        additional_config={"return_sampling_mask": True})))
+    request = GenerateRequest.model_validate({"token_ids": [5, 6, 7], "stream": stream,
+                                              "sampling_params": {"max_tokens": 4, **params}})
+    assert asyncio.run(wrap_serve_tokens(serve_tokens)(serving, request)) == "response"
+    assert seen == [RequestOutputKind[expected]]

@@ -104,8 +104,27 @@ def _refuse_streamed_samples(request: Any) -> None:
             "one streamed request per sample.", "sampling_params.n")
 
 
+def _final_output_only(request: Any) -> None:
+    """Ask vLLM for the last output only (FINAL_ONLY) of a non-streamed request that gets masks
+    and whose output kind is CUMULATIVE (the default).
+
+    vLLM's non-streaming generator builds the response from the last output it reads; with
+    CUMULATIVE the API server still builds and hands over an output, mask included, at every
+    step of the request (the cost is in docs/benchmarks.md). The response is the same, except
+    that with ``n > 1`` it now holds every sample (CUMULATIVE hands each sample's outputs over
+    separately, and vLLM's generator keeps the last one it read).
+    """
+    from vllm.sampling_params import RequestOutputKind
+
+    params = getattr(request, "sampling_params", None)
+    if (params is not None and not getattr(request, "stream", False)
+            and params.output_kind is RequestOutputKind.CUMULATIVE):
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+
+
 def wrap_serve_tokens(original: Any) -> Any:
-    """``ServingTokens.serve_tokens``: read and validate the mask fields (HTTP 400)."""
+    """``ServingTokens.serve_tokens``: read and validate the mask fields (HTTP 400); a
+    non-streamed request that gets masks asks vLLM for its final output only."""
 
     @functools.wraps(original)
     async def serve_tokens(self: Any, request: Any, raw_request: Any = None, *args: Any,
@@ -118,6 +137,8 @@ def wrap_serve_tokens(original: Any) -> Any:
                                          default_enabled=_params_choice(request, enabled))
         except MaskFieldError as exc:
             return bad_request(self, exc)
+        if options.enabled:
+            _final_output_only(request)
         return await serve_with_options(options, original, self, request, raw_request, *args,
                                         **kwargs)
 
