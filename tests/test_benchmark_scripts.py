@@ -190,7 +190,7 @@ def test_pool_paired_rounds_reads_http_reports() -> None:
     assert engine_shaped(engine_report) is engine_report
 
 
-def test_engine_throughput_reports_the_busiest_thread_of_each_side() -> None:
+def test_thread_load_reports_the_busiest_thread_of_each_side() -> None:
     # Which process bounds a round: the busiest thread's CPU seconds over the round's wall time,
     # from per-thread totals before and after (a thread started during the round counts from 0).
     sys.path.insert(0, str(BENCHMARKS))

@@ -286,7 +286,8 @@ PATCHES: list[Patch] = [
         target="vllm.entrypoints.scale_out.token_in_token_out.serving:ServingTokens.serve_tokens",
         make=f"{_P}.entrypoints.token_in_token_out:wrap_serve_tokens",
         why="/inference/v1/generate: read and validate the mask fields (GenerateRequest drops "
-        "unknown fields, so from the cached JSON body); HTTP 400 on a bad one.",
+        "unknown fields, so from the cached JSON body); HTTP 400 on a bad one. A non-streamed "
+        "request with masks asks for its final output only (FINAL_ONLY for CUMULATIVE).",
         process="frontend",
     ),
     Patch(
