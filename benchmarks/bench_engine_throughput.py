@@ -76,7 +76,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from thread_load import busiest_threads, thread_cpu_times
+from thread_load import busiest_threads, process_tree_threads, thread_cpu_times
 
 CONFIG_ORDER = ("stock", "off", "on", "optout")
 # The opted-out rounds that an ``on`` engine runs beside its own (``--same-process-optout``).
@@ -550,22 +550,14 @@ def pin_process_tree(frontend_cpus: list[int], core_cpus: list[int]) -> dict[str
     """Pin every thread of this process to ``frontend_cpus`` and every thread of its
     descendants (the engine core and what it started) to ``core_cpus``. Threads started
     later inherit the pinning of the thread that starts them."""
-    import psutil  # a vLLM requirement
-
-    counts = {"frontend_threads": 0, "core_threads": 0}
-    this = psutil.Process()
-    for process, cpus, key in [(this, frontend_cpus, "frontend_threads")] + [
-            (child, core_cpus, "core_threads") for child in this.children(recursive=True)]:
+    counts = {"frontend": 0, "core": 0}
+    for side, thread in process_tree_threads(os.getpid()):
         try:
-            for thread in process.threads():
-                try:
-                    os.sched_setaffinity(thread.id, cpus)
-                    counts[key] += 1
-                except ProcessLookupError:  # a thread that ended meanwhile
-                    pass
-        except psutil.NoSuchProcess:
+            os.sched_setaffinity(thread.id, frontend_cpus if side == "frontend" else core_cpus)
+            counts[side] += 1
+        except ProcessLookupError:  # a thread that ended meanwhile
             pass
-    return counts
+    return {"frontend_threads": counts["frontend"], "core_threads": counts["core"]}
 
 
 def shutdown(llm: Any) -> None:
@@ -798,7 +790,8 @@ def markdown(report: dict) -> str:
                              + f" [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
                              for b, v in by_batch.items()))
     for n in names:
-        busy = [(b, [x["frontend_busy"] for x in v["rounds"]], [x["core_busy"] for x in v["rounds"]])
+        busy = [(b, [x["frontend_busy"] for x in v["rounds"]],
+                 [x["core_busy"] for x in v["rounds"]])
                 for b, v in results[n]["by_batch"].items() if "core_busy" in v["rounds"][0]]
         if busy:
             lines.append(f"{n}: busiest thread's CPU / wall, median round, frontend / engine core: "

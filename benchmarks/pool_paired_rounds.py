@@ -22,9 +22,10 @@ Files without the baseline or a config, or where either did not run interleaved 
 ``bench_http_throughput.py`` pool the same way, each concurrency as a batch size (its modes
 alternate round by round on one server)::
 
-    python benchmarks/pool_paired_rounds.py docs/results/http_throughput_h200_*.json \
-        --baseline off --configs compact,json ``--png`` plots the medians
-with their intervals against batch size (needs matplotlib).
+    python benchmarks/pool_paired_rounds.py docs/results/http_throughput_h200_*.json \\
+        --baseline off --configs compact,json
+
+``--png`` plots the medians with their intervals against batch size (needs matplotlib).
 """
 
 from __future__ import annotations

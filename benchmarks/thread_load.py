@@ -4,21 +4,33 @@ time, so a thread at ~1.0 CPU seconds per wall second is what bounds the round."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
 
-def thread_cpu_times(root_pid: int) -> dict[str, dict[int, float]]:
-    """CPU seconds (user + system) so far of every thread: ``{"frontend": {tid: s}, "core":
-    {tid: s}}``, the threads of process ``root_pid`` and of its descendants."""
+
+def process_tree_threads(root_pid: int) -> Iterator[tuple[str, Any]]:
+    """``("frontend", thread)`` for every thread of process ``root_pid``, ``("core", thread)``
+    for every thread of its descendants (psutil's ``pthread``: ``id``, ``user_time``,
+    ``system_time``); a process that ended meanwhile is skipped."""
     import psutil  # a vLLM requirement
 
     root = psutil.Process(root_pid)
-    times: dict[str, dict[int, float]] = {"frontend": {}, "core": {}}
-    for process, key in [(root, "frontend")] + [
+    for process, side in [(root, "frontend")] + [
             (child, "core") for child in root.children(recursive=True)]:
         try:
-            for thread in process.threads():
-                times[key][thread.id] = thread.user_time + thread.system_time
+            threads = process.threads()
         except psutil.NoSuchProcess:
-            pass
+            continue
+        for thread in threads:
+            yield side, thread
+
+
+def thread_cpu_times(root_pid: int) -> dict[str, dict[int, float]]:
+    """CPU seconds (user + system) so far of every thread: ``{"frontend": {tid: s}, "core":
+    {tid: s}}`` (``process_tree_threads``)."""
+    times: dict[str, dict[int, float]] = {"frontend": {}, "core": {}}
+    for side, thread in process_tree_threads(root_pid):
+        times[side][thread.id] = thread.user_time + thread.system_time
     return times
 
 

@@ -25,6 +25,7 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
     GenerateResponse,
     GenerateResponseChoice,
 )
+from vllm.sampling_params import RequestOutputKind
 
 from vllm_sampling_mask.config import REQUEST_KEY, is_request_choice
 from vllm_sampling_mask.entrypoints.mask_fields import MaskFieldError, parse_mask_options
@@ -114,8 +115,6 @@ def _final_output_only(request: Any) -> None:
     that with ``n > 1`` it now holds every sample (CUMULATIVE hands each sample's outputs over
     separately, and vLLM's generator keeps the last one it read).
     """
-    from vllm.sampling_params import RequestOutputKind
-
     params = getattr(request, "sampling_params", None)
     if (params is not None and not getattr(request, "stream", False)
             and params.output_kind is RequestOutputKind.CUMULATIVE):
