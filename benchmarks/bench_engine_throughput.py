@@ -31,9 +31,10 @@ request (the same process layout for every config), and alternates their rounds,
 same drift of the machine (the ratios of separate runs moved by more than the masks cost).
 
 ``--pin N`` (with ``--interleave``) first times a fixed Python loop on every CPU, takes the N
-fastest and runs every engine on the same ones (all N while it starts, then its frontend
-thread(s) on the first two, its engine-core process (scheduler, worker, their threads) on the
-rest). On the lent H200 machine
+fastest and runs every engine on the same ones (all N while it starts, then the engine-core
+process's main thread (busy loop and worker) alone on the fastest, the frontend's main thread
+alone on the second, the frontend's other threads on the third, the engine core's other
+threads on the rest: ``choose_cpus``, ``pin_process_tree``). On the lent H200 machine
 vCPUs run host code at speeds that differ by up to ~1.7x and change over time
 (``probe_machine_noise.py``); without pinning, an engine's hot threads land on whichever vCPUs
 the kernel picks, so two engines of the same round need not run on equally fast ones. The
@@ -132,7 +133,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="--interleave: G times, each with fresh engine processes.")
     parser.add_argument("--pin", type=int, metavar="N",
                         help="--interleave: run every engine on the same N fastest CPUs (2 for "
-                        "its frontend, the rest for its engine core); N >= 3.")
+                        "its frontend, the rest for its engine core; each side's main thread "
+                        "alone on one of them); N >= 3.")
     parser.add_argument("--frontend-cpus", type=int_list, help=argparse.SUPPRESS)
     parser.add_argument("--core-cpus", type=int_list, help=argparse.SUPPRESS)
     parser.add_argument("--worker-config", help=argparse.SUPPRESS)
@@ -424,11 +426,12 @@ def serve_rounds(name: str, args: argparse.Namespace, model: str) -> None:
     if sys.stdin.readline().strip() != "build":
         return
     engine = EngineUnderTest(name, args, model, args.gpu_memory_utilization)
-    if args.frontend_cpus and args.core_cpus:
-        pinned = pin_process_tree(args.frontend_cpus, args.core_cpus)
-        print(f"[{name}] pinned {pinned['frontend_threads']} frontend threads to "
-              f"{args.frontend_cpus}, {pinned['core_threads']} engine-core threads to "
-              f"{args.core_cpus}", flush=True)
+    pinned = bool(args.frontend_cpus and args.core_cpus)
+    if pinned:
+        counts = pin_process_tree(args.frontend_cpus, args.core_cpus)
+        print(f"[{name}] pinned {counts['frontend_threads']} frontend threads to "
+              f"{args.frontend_cpus}, {counts['core_threads']} engine-core threads to "
+              f"{args.core_cpus} (main threads on the first of each)", flush=True)
     reply(value=None)
     try:
         for line in sys.stdin:
@@ -438,6 +441,8 @@ def serve_rounds(name: str, args: argparse.Namespace, model: str) -> None:
                 if command == "warm_up":
                     engine.warm_up()
                 elif command == "round":
+                    if pinned:  # threads started since (they inherit their starter's CPUs)
+                        pin_process_tree(args.frontend_cpus, args.core_cpus)
                     engine.run_round(int(params[0]), int(params[1]))
                 elif command == "results":
                     value = engine.results()
@@ -534,7 +539,8 @@ def merge_generations(generations: list[dict[str, dict[str, Any]]]) -> dict[str,
 
 def choose_cpus(count: int) -> dict[str, Any]:
     """The ``count`` CPUs that run a fixed loop fastest now: two for frontends, the rest for
-    engine cores."""
+    engine cores, each side's first CPU for its main thread (``pin_process_tree``); the
+    fastest for the engine core's, which bounds a step, the second fastest for the frontend's."""
     from probe_machine_noise import fastest_cpus
 
     available = len(os.sched_getaffinity(0))
@@ -543,17 +549,28 @@ def choose_cpus(count: int) -> dict[str, Any]:
     chosen, seconds = fastest_cpus(count)
     print(f"CPUs {chosen} chosen (loop ms per CPU: "
           f"{ {c: round(s * 1e3, 2) for c, s in seconds.items()} })", flush=True)
-    return {"frontend_cpus": chosen[:2], "core_cpus": chosen[2:], "loop_s_per_cpu": seconds}
+    by_speed = sorted(chosen, key=lambda cpu: seconds[str(cpu)])
+    return {"frontend_cpus": by_speed[1:3], "core_cpus": by_speed[:1] + by_speed[3:],
+            "loop_s_per_cpu": seconds, "main_threads_alone": True}
 
 
 def pin_process_tree(frontend_cpus: list[int], core_cpus: list[int]) -> dict[str, int]:
-    """Pin every thread of this process to ``frontend_cpus`` and every thread of its
-    descendants (the engine core and what it started) to ``core_cpus``. Threads started
-    later inherit the pinning of the thread that starts them."""
+    """Pin this process's threads to ``frontend_cpus`` and its descendants' (the engine core and
+    what it started) to ``core_cpus``; on each side, the main threads alone on its first CPU,
+    the other threads on the rest (on the first too where a side has one CPU).
+
+    The main threads are the hot ones (``LLM.generate`` in the frontend; the engine core's busy
+    loop, which with one GPU also runs the worker): each alone on one CPU, that CPU the same for
+    every engine, so the engines of a round run their hot threads on the same vCPUs. Left to
+    the kernel among a side's CPUs, a hot thread tends to stay where it last ran, so two
+    engines' hot threads could sit on two vCPUs of different speeds for a whole process life.
+    Threads started later inherit their starter's pinning: the child calls this again before
+    every round."""
     counts = {"frontend": 0, "core": 0}
-    for side, thread in process_tree_threads(os.getpid()):
+    for side, thread, main in process_tree_threads(os.getpid()):
+        cpus = frontend_cpus if side == "frontend" else core_cpus
         try:
-            os.sched_setaffinity(thread.id, frontend_cpus if side == "frontend" else core_cpus)
+            os.sched_setaffinity(thread.id, cpus[:1] if main or len(cpus) == 1 else cpus[1:])
             counts[side] += 1
         except ProcessLookupError:  # a thread that ended meanwhile
             pass

@@ -24,6 +24,8 @@
 #   generations  `engine` with fresh engine processes 5 times, 2 rounds each: 5 clusters of
 #             on/stock per call instead of 1 (with warm compile caches an engine starts in
 #             ~17 s; run after `engine` on the same machine)                      (~8-9 min)
+#   control   stock / off (vLLM's own code on both sides) at B=256, 6 generations of fresh
+#             processes, 2 rounds each: the per-process spread of the same code   (~7-9 min)
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #             (one set of engine processes per call: four engines take ~6 min to start and
 #             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
@@ -170,6 +172,12 @@ case "${1:-}" in
     bench bench_engine_throughput engine_generations 570 --configs stock,on --same-process-optout \
       --interleave --pin 5 "${compiled[@]}" --generations 5 --reps 2
     ;;
+  control)
+    # vLLM's own code on both sides (off: the plugin loaded, its switch off): how far two
+    # engine processes of the same code land apart, generation by generation, at B=256.
+    bench bench_engine_throughput engine_control 570 --configs stock,off --interleave --pin 5 \
+      "${compiled[@]}" --generations 6 --reps 2 --batch-sizes 256
+    ;;
   logprobs)
     bench bench_engine_throughput engine_logprobs 330 --configs stock,on --interleave \
       --pin 5 "${compiled[@]}" --reps 4 --logprobs 1
@@ -244,7 +252,7 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
     bench bench_sampler_paths sampler_paths 60
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|logprobs|http|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|control|logprobs|http|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile|paths" >&2
     exit 2
     ;;
 esac

@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from typing import Any
 
 
-def process_tree_threads(root_pid: int) -> Iterator[tuple[str, Any]]:
-    """``("frontend", thread)`` for every thread of process ``root_pid``, ``("core", thread)``
-    for every thread of its descendants (psutil's ``pthread``: ``id``, ``user_time``,
-    ``system_time``); a process that ended meanwhile is skipped."""
+def process_tree_threads(root_pid: int) -> Iterator[tuple[str, Any, bool]]:
+    """``("frontend", thread, main)`` for every thread of process ``root_pid``, ``("core",
+    thread, main)`` for every thread of its descendants (psutil's ``pthread``: ``id``,
+    ``user_time``, ``system_time``); ``main``: the thread is its process's main thread. A
+    process that ended meanwhile is skipped."""
     import psutil  # a vLLM requirement
 
     root = psutil.Process(root_pid)
@@ -22,14 +23,14 @@ def process_tree_threads(root_pid: int) -> Iterator[tuple[str, Any]]:
         except psutil.NoSuchProcess:
             continue
         for thread in threads:
-            yield side, thread
+            yield side, thread, thread.id == process.pid
 
 
 def thread_cpu_times(root_pid: int) -> dict[str, dict[int, float]]:
     """CPU seconds (user + system) so far of every thread: ``{"frontend": {tid: s}, "core":
     {tid: s}}`` (``process_tree_threads``)."""
     times: dict[str, dict[int, float]] = {"frontend": {}, "core": {}}
-    for side, thread in process_tree_threads(root_pid):
+    for side, thread, _ in process_tree_threads(root_pid):
         times[side][thread.id] = thread.user_time + thread.system_time
     return times
 

@@ -201,3 +201,50 @@ def test_thread_load_reports_the_busiest_thread_of_each_side() -> None:
     busy = busiest_threads(before, after, seconds=2.0)
     assert busy == pytest.approx({"frontend_busy": 0.75, "frontend_cpu": 1.0,
                                   "core_busy": 0.9, "core_cpu": 1.4})
+
+
+PINNED_TREE = """
+import json, multiprocessing, os, sys, threading
+sys.path.insert(0, sys.argv[1])
+from bench_engine_throughput import pin_process_tree
+
+def child(ready, done):
+    threading.Thread(target=done.wait, daemon=True).start()
+    ready.set()
+    done.wait()
+
+if __name__ == "__main__":
+    spawn = multiprocessing.get_context("spawn")
+    ready, done = spawn.Event(), spawn.Event()
+    threading.Thread(target=done.wait, daemon=True).start()
+    proc = spawn.Process(target=child, args=(ready, done))
+    proc.start()
+    ready.wait()
+    counts = pin_process_tree([0, 1], [1, 0])
+    import psutil
+    layout = {}
+    for process in [psutil.Process()] + psutil.Process().children(recursive=True):
+        for thread in process.threads():
+            key = ("main" if thread.id == process.pid else "other") + (
+                "_frontend" if process.pid == os.getpid() else "_core")
+            layout.setdefault(key, set()).update(os.sched_getaffinity(thread.id))
+    done.set()
+    proc.join()
+    print(json.dumps({"counts": counts, "layout": {k: sorted(v) for k, v in layout.items()}}))
+"""
+
+
+@pytest.mark.skipif(not {0, 1} <= __import__("os").sched_getaffinity(0), reason="needs CPUs 0 and 1")
+def test_pinning_puts_each_sides_main_threads_alone_on_its_first_cpu(tmp_path: Path) -> None:
+    # In a process of its own: the test process's CPUs stay as they are.
+    script = tmp_path / "pinned_tree.py"
+    script.write_text(PINNED_TREE)
+    result = subprocess.run([sys.executable, str(script), str(BENCHMARKS)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    # Frontend CPUs [0, 1]: its main thread on 0 alone, its other threads on 1; engine-core
+    # CPUs [1, 0]: the child's main thread on 1, its other threads on 0.
+    assert report["layout"] == {"main_frontend": [0], "other_frontend": [1],
+                                "main_core": [1], "other_core": [0]}
+    assert report["counts"]["frontend_threads"] >= 2 and report["counts"]["core_threads"] >= 2
