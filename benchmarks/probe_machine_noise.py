@@ -9,7 +9,13 @@ are 1-2%. This probe tells where such spread comes from, in ~20 s:
                   core slower than another?);
 - ``launch``:     200 tiny CUDA kernels then a sync (host-bound, like a decode step's launches);
 - ``device``:     a fixed chain of matmuls timed by CUDA events (GPU speed: clocks, a co-tenant);
-- ``steal``:      the machine's steal time (``/proc/stat``) over the whole probe.
+- ``steal``:      the machine's steal time (``/proc/stat``) over the whole probe;
+- ``wake_cpus``:  two processes allowed on the same three CPUs take turns running the loop, as
+                  interleaved engines do; the CPU each ran on, read every loop, and their speed
+                  ratio turn by turn: whether the kernel keeps each on a CPU of its own (then
+                  each runs at its vCPU's speed for its whole life, and the two differ by their
+                  vCPUs'); ``wake_one_cpu``: the same, both on one CPU (what ``--pin`` of the
+                  engine benchmark does with each side's main thread).
 
 Each series reports min / median / max and max/min. ``--out`` writes JSON::
 
@@ -20,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,6 +101,54 @@ def steal_ticks() -> int | None:
         return None
 
 
+def current_cpu() -> int:
+    """The CPU the calling thread runs on now (field 39 of ``/proc/thread-self/stat``)."""
+    stat = Path("/proc/thread-self/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[36])
+
+
+def _take_turns(cpus: list[int], turns: int, seconds: float, mine: Any, theirs: Any,
+                out: Any) -> None:
+    """One of ``wake_placement``'s processes: on every turn, wait for ``mine`` (asleep, as an
+    idle engine waits for work), run the loop for ``seconds``, then hand the turn over; put on
+    ``out`` the CPU it ran on most in each turn and its loops per second in each turn."""
+    os.sched_setaffinity(0, set(cpus))
+    ran_on, speed = [], []
+    for _ in range(turns):
+        mine.wait()
+        mine.clear()
+        counts: Counter[int] = Counter()
+        start = time.monotonic()
+        while time.monotonic() < start + seconds:
+            python_loop(20_000)
+            counts[current_cpu()] += 1
+        ran_on.append(counts.most_common(1)[0][0])
+        speed.append(sum(counts.values()) / (time.monotonic() - start))
+        theirs.set()
+    out.put((os.getpid(), ran_on, speed))
+
+
+def wake_placement(cpus: list[int], turns: int = 8, seconds: float = 0.4) -> dict[str, Any]:
+    """Two processes on ``cpus`` taking ``turns`` turns each (``a`` first): the CPU each ran on
+    most per turn, the share of turns each spent on the CPU of its previous turn, and
+    ``b_over_a``, the median over turns of b's loop speed over a's in the same turn."""
+    spawn = multiprocessing.get_context("spawn")
+    turn_a, turn_b, out = spawn.Event(), spawn.Event(), spawn.Queue()
+    runs = [spawn.Process(target=_take_turns, args=(cpus, turns, seconds, mine, theirs, out))
+            for mine, theirs in ((turn_a, turn_b), (turn_b, turn_a))]
+    for run in runs:
+        run.start()
+    turn_a.set()
+    reports = {pid: (ran_on, speed) for pid, ran_on, speed in
+               (out.get(timeout=60 + 4 * turns * seconds) for _ in runs)}
+    for run in runs:
+        run.join()
+    (a_cpus, a_speed), (b_cpus, b_speed) = (reports[run.pid] for run in runs)
+    stayed = [sum(x == y for x, y in zip(ran, ran[1:])) / (turns - 1) for ran in (a_cpus, b_cpus)]
+    return {"cpus": cpus, "a": a_cpus, "b": b_cpus, "stayed_share": stayed,
+            "b_over_a": statistics.median(b / a for a, b in zip(a_speed, b_speed))}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=200)
@@ -106,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     per_core = {str(cpu): summary(seconds) for cpu, seconds in loop_seconds_per_cpu(
         report["one_cpu_per_core"], max(5, args.reps // 20)).items()}
     report["cpu_pinned"] = per_core
+    report["wake_cpus"] = wake_placement(report["one_cpu_per_core"][:3])
+    report["wake_one_cpu"] = wake_placement(report["one_cpu_per_core"][:1])
     try:
         import torch
 
@@ -144,6 +202,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(f"{name:7s} min {s['min_ms']:8.3f}  median {s['median_ms']:8.3f}  max "
                   f"{s['max_ms']:8.3f} ms  max/min {s['max_over_min']:.2f}")
     print("per core median ms:", {c: round(s["median_ms"], 3) for c, s in per_core.items()})
+    for wake in (report["wake_cpus"], report["wake_one_cpu"]):
+        print(f"two processes taking turns on CPUs {wake['cpus']}: a ran on {wake['a']}, b on "
+              f"{wake['b']} (share of turns on the previous turn's CPU: {wake['stayed_share']});"
+              f" b's speed over a's, median turn: {wake['b_over_a']:.3f}")
     print(f"steal {report['steal_s']} s over {report['wall_s']:.1f} s, cpus {report['cpus']}, "
           f"one per core {report['one_cpu_per_core']}")
     if args.out:

@@ -24,8 +24,9 @@
 #   generations  `engine` with fresh engine processes 5 times, 2 rounds each: 5 clusters of
 #             on/stock per call instead of 1 (with warm compile caches an engine starts in
 #             ~17 s; run after `engine` on the same machine)                      (~8-9 min)
-#   control   stock / off (vLLM's own code on both sides) at B=256, 6 generations of fresh
-#             processes, 2 rounds each: the per-process spread of the same code   (~7-9 min)
+#   control   probe_machine_noise.py (vCPU speeds; where two processes taking turns run),
+#             then stock / off (vLLM's own code on both sides) at B=256, 5 generations of
+#             fresh processes, 2 rounds each: the per-process spread of the same code (~8-9 min)
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #             (one set of engine processes per call: four engines take ~6 min to start and
 #             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
@@ -174,9 +175,11 @@ case "${1:-}" in
     ;;
   control)
     # vLLM's own code on both sides (off: the plugin loaded, its switch off): how far two
-    # engine processes of the same code land apart, generation by generation, at B=256.
-    bench bench_engine_throughput engine_control 570 --configs stock,off --interleave --pin 5 \
-      "${compiled[@]}" --generations 6 --reps 2 --batch-sizes 256
+    # engine processes of the same code land apart, generation by generation, at B=256. First
+    # the machine probe: do two processes taking turns keep a vCPU each, and how far apart?
+    step machine_noise 90 python3 benchmarks/probe_machine_noise.py --out "$out/machine_noise.json"
+    bench bench_engine_throughput engine_control 480 --configs stock,off --interleave --pin 5 \
+      "${compiled[@]}" --generations 5 --reps 2 --batch-sizes 256
     ;;
   logprobs)
     bench bench_engine_throughput engine_logprobs 330 --configs stock,on --interleave \

@@ -4,6 +4,7 @@ change to the code they drive can't leave them broken until the next GPU session
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -234,7 +235,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.skipif(not {0, 1} <= __import__("os").sched_getaffinity(0), reason="needs CPUs 0 and 1")
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
 def test_pinning_puts_each_sides_main_threads_alone_on_its_first_cpu(tmp_path: Path) -> None:
     # In a process of its own: the test process's CPUs stay as they are.
     script = tmp_path / "pinned_tree.py"
@@ -248,3 +249,15 @@ def test_pinning_puts_each_sides_main_threads_alone_on_its_first_cpu(tmp_path: P
     assert report["layout"] == {"main_frontend": [0], "other_frontend": [1],
                                 "main_core": [1], "other_core": [0]}
     assert report["counts"]["frontend_threads"] >= 2 and report["counts"]["core_threads"] >= 2
+
+
+def test_wake_placement_reads_the_cpu_each_turn_ran_on() -> None:
+    # Both processes on one CPU: every turn of each must read that CPU back.
+    sys.path.insert(0, str(BENCHMARKS))
+    from probe_machine_noise import wake_placement
+
+    cpu = min(os.sched_getaffinity(0))
+    wake = wake_placement([cpu], turns=3, seconds=0.05)
+    assert wake["a"] == wake["b"] == [cpu] * 3
+    assert wake["stayed_share"] == [1.0, 1.0]
+    assert 0.2 < wake["b_over_a"] < 5.0
