@@ -80,9 +80,11 @@ def engine_shaped(report: dict[str, Any]) -> dict[str, Any]:
     return {"results": results}
 
 
-def summarize(clusters: list[list[float]], seed: int = 0) -> dict[str, float]:
+def summarize(clusters: list[list[float]], seed: int = 0) -> dict[str, float | None]:
     """Median pair ratio (of the log ratios of every cluster together) with its 95% interval
-    from resampling whole clusters, and the geometric mean."""
+    from resampling whole clusters, the geometric mean, and ``cluster_spread``: the standard
+    deviation of the clusters' median log ratios (~ the relative spread from one set of engine
+    processes to the next; None with one cluster)."""
     rng = random.Random(seed)
     log_ratios = [x for cluster in clusters for x in cluster]
     medians = sorted(statistics.median([x for c in rng.choices(clusters, k=len(clusters))
@@ -91,7 +93,9 @@ def summarize(clusters: list[list[float]], seed: int = 0) -> dict[str, float]:
             "median": math.exp(statistics.median(log_ratios)),
             "median_low": math.exp(medians[int(0.025 * BOOTSTRAP_RESAMPLES)]),
             "median_high": math.exp(medians[int(0.975 * BOOTSTRAP_RESAMPLES) - 1]),
-            "geometric_mean": math.exp(statistics.fmean(log_ratios))}
+            "geometric_mean": math.exp(statistics.fmean(log_ratios)),
+            "cluster_spread": statistics.stdev(map(statistics.median, clusters))
+            if len(clusters) > 1 else None}
 
 
 def pool(reports: list[dict[str, Any]], configs: Sequence[str],
@@ -161,7 +165,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(f"{name} B={batch}: {v['pairs']} pairs in {v['clusters']} clusters, "
                   f"median {v['median']:.3f} "
                   f"[95% {v['median_low']:.3f}, {v['median_high']:.3f}], "
-                  f"geometric mean {v['geometric_mean']:.3f}")
+                  f"geometric mean {v['geometric_mean']:.3f}"
+                  + ("" if v["cluster_spread"] is None
+                     else f", clusters' medians spread {v['cluster_spread']:.3f} (sd of logs)"))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

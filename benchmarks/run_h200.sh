@@ -25,8 +25,9 @@
 #             on/stock per call instead of 1 (with warm compile caches an engine starts in
 #             ~17 s; run after `engine` on the same machine)                      (~8-9 min)
 #   control   probe_machine_noise.py (vCPU speeds; where two processes taking turns run),
-#             then stock / off (vLLM's own code on both sides) at B=256, 5 generations of
-#             fresh processes, 2 rounds each: the per-process spread of the same code (~8-9 min)
+#             then stock / off / on (+ on_optout) at B=256 in fresh processes, 2 rounds per
+#             generation: off/stock's spread across generations against on/on_optout's
+#             (`pool_paired_rounds.py` prints both as cluster_spread)             (~9.5 min)
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #             (one set of engine processes per call: four engines take ~6 min to start and
 #             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
@@ -174,12 +175,14 @@ case "${1:-}" in
       --interleave --pin 5 "${compiled[@]}" --generations 5 --reps 2
     ;;
   control)
-    # vLLM's own code on both sides (off: the plugin loaded, its switch off): how far two
-    # engine processes of the same code land apart, generation by generation, at B=256. First
-    # the machine probe: do two processes taking turns keep a vCPU each, and how far apart?
+    # First the machine probe: do two processes taking turns keep a vCPU each? Then fresh
+    # engine processes at B=256: off/stock (vLLM's own code on both sides) spreads from one
+    # generation to the next by the per-process offset plus round noise, on/on_optout (one
+    # process) by round noise alone; on/stock is criterion 1's sample. The call's time limit
+    # cuts it after 3-4 generations (each is written as it finishes).
     step machine_noise 90 python3 benchmarks/probe_machine_noise.py --out "$out/machine_noise.json"
-    bench bench_engine_throughput engine_control 480 --configs stock,off --interleave --pin 5 \
-      "${compiled[@]}" --generations 5 --reps 2 --batch-sizes 256
+    bench bench_engine_throughput engine_control 545 --configs stock,off,on --same-process-optout \
+      --interleave --pin 5 "${compiled[@]}" --generations 5 --reps 2 --batch-sizes 256
     ;;
   logprobs)
     bench bench_engine_throughput engine_logprobs 330 --configs stock,on --interleave \

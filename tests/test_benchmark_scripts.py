@@ -4,6 +4,7 @@ change to the code they drive can't leave them broken until the next GPU session
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -67,6 +68,8 @@ def test_pool_paired_rounds_resamples_whole_generations() -> None:
                    "stock")["on/stock"]["1"]
     assert (summary["pairs"], summary["clusters"]) == (12, 2)
     assert abs(summary["median_low"] - 0.8) < 1e-9 and abs(summary["median_high"] - 1.0) < 1e-9
+    # The spread from one set of processes to the next: the sd of the two clusters' log medians.
+    assert abs(summary["cluster_spread"] - abs(math.log(0.8)) / math.sqrt(2)) < 1e-9
 
 
 def test_engine_throughput_merges_generations_into_clustered_pairs() -> None:
