@@ -115,9 +115,8 @@ def _final_output_only(request: Any) -> None:
     that with ``n > 1`` it now holds every sample (CUMULATIVE hands each sample's outputs over
     separately, and vLLM's generator keeps the last one it read).
     """
-    params = getattr(request, "sampling_params", None)
-    if (params is not None and not getattr(request, "stream", False)
-            and params.output_kind is RequestOutputKind.CUMULATIVE):
+    params = request.sampling_params
+    if not request.stream and params.output_kind is RequestOutputKind.CUMULATIVE:
         params.output_kind = RequestOutputKind.FINAL_ONLY
 
 
