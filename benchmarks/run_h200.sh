@@ -28,6 +28,10 @@
 #             then stock / off / on (+ on_optout) at B=256 in fresh processes, 2 rounds per
 #             generation: off/stock's spread across generations against on/on_optout's
 #             (`pool_paired_rounds.py` prints both as cluster_spread)             (~9.5 min)
+#   rounds    stock / off / on (+ on_optout) at B=1, 64 and 256, 2 generations of 8 rounds:
+#             with 8 rounds per set of processes, a per-process offset (off/stock's spread
+#             across generations beyond its rounds') is resolved from round noise, which 2
+#             rounds per generation (`control`) cannot do below ~0.08           (~8-9 min)
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #             (one set of engine processes per call: four engines take ~6 min to start and
 #             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
@@ -183,6 +187,10 @@ case "${1:-}" in
     step machine_noise 90 python3 benchmarks/probe_machine_noise.py --out "$out/machine_noise.json"
     bench bench_engine_throughput engine_control 545 --configs stock,off,on --same-process-optout \
       --interleave --pin 5 "${compiled[@]}" --generations 5 --reps 2 --batch-sizes 256
+    ;;
+  rounds)
+    bench bench_engine_throughput engine_rounds 560 --configs stock,off,on --same-process-optout \
+      --interleave --pin 5 "${compiled[@]}" --generations 2 --reps 8
     ;;
   logprobs)
     bench bench_engine_throughput engine_logprobs 330 --configs stock,on --interleave \
