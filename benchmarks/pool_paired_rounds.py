@@ -80,22 +80,49 @@ def engine_shaped(report: dict[str, Any]) -> dict[str, Any]:
     return {"results": results}
 
 
+def variance_parts(clusters: list[list[float]]) -> tuple[float, float] | None:
+    """``(round variance, process variance)`` of the log ratios, a one-way random-effects
+    split by moments: the round part is the mean within-cluster variance (clusters of >= 2
+    pairs), the process part the variance of the cluster means less the round part over the
+    mean cluster size (negative where the means spread less than round noise predicts). None
+    with fewer than two clusters or no cluster of two pairs."""
+    within = [statistics.variance(c) for c in clusters if len(c) > 1]
+    if len(clusters) < 2 or not within:
+        return None
+    rounds = statistics.fmean(within)
+    size = statistics.fmean(len(c) for c in clusters)
+    return rounds, statistics.variance(map(statistics.fmean, clusters)) - rounds / size
+
+
 def summarize(clusters: list[list[float]], seed: int = 0) -> dict[str, float | None]:
     """Median pair ratio (of the log ratios of every cluster together) with its 95% interval
-    from resampling whole clusters, the geometric mean, and ``cluster_spread``: the standard
+    from resampling whole clusters, the geometric mean, ``cluster_spread``: the standard
     deviation of the clusters' median log ratios (~ the relative spread from one set of engine
-    processes to the next; None with one cluster)."""
+    processes to the next; None with one cluster), and that spread split into rounds and
+    processes (``variance_parts``): ``round_spread``, ``process_spread`` (sd; 0 where the
+    estimate is negative) and ``process_spread_high``, the 95th percentile of the latter over
+    the same cluster resamples (how large a per-process offset the runs cannot exclude)."""
     rng = random.Random(seed)
     log_ratios = [x for cluster in clusters for x in cluster]
-    medians = sorted(statistics.median([x for c in rng.choices(clusters, k=len(clusters))
-                                        for x in c]) for _ in range(BOOTSTRAP_RESAMPLES))
-    return {"pairs": len(log_ratios), "clusters": len(clusters),
-            "median": math.exp(statistics.median(log_ratios)),
-            "median_low": math.exp(medians[int(0.025 * BOOTSTRAP_RESAMPLES)]),
-            "median_high": math.exp(medians[int(0.975 * BOOTSTRAP_RESAMPLES) - 1]),
-            "geometric_mean": math.exp(statistics.fmean(log_ratios)),
-            "cluster_spread": statistics.stdev(map(statistics.median, clusters))
-            if len(clusters) > 1 else None}
+    resamples = [rng.choices(clusters, k=len(clusters)) for _ in range(BOOTSTRAP_RESAMPLES)]
+    medians = sorted(statistics.median([x for c in r for x in c]) for r in resamples)
+    summary: dict[str, float | None] = {
+        "pairs": len(log_ratios), "clusters": len(clusters),
+        "median": math.exp(statistics.median(log_ratios)),
+        "median_low": math.exp(medians[int(0.025 * BOOTSTRAP_RESAMPLES)]),
+        "median_high": math.exp(medians[int(0.975 * BOOTSTRAP_RESAMPLES) - 1]),
+        "geometric_mean": math.exp(statistics.fmean(log_ratios)),
+        "cluster_spread": statistics.stdev(map(statistics.median, clusters))
+        if len(clusters) > 1 else None,
+        "round_spread": None, "process_spread": None, "process_spread_high": None}
+    parts = variance_parts(clusters)
+    if parts is not None:
+        resampled = sorted(p[1] for r in resamples if (p := variance_parts(r)) is not None)
+        summary |= {"round_spread": math.sqrt(parts[0]),
+                    "process_spread": math.sqrt(max(parts[1], 0.0)),
+                    "process_spread_high": math.sqrt(max(
+                        resampled[int(0.95 * len(resampled)) - 1], 0.0)) if resampled else None}
+    return summary
 
 
 def pool(reports: list[dict[str, Any]], configs: Sequence[str],
@@ -167,7 +194,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   f"[95% {v['median_low']:.3f}, {v['median_high']:.3f}], "
                   f"geometric mean {v['geometric_mean']:.3f}"
                   + ("" if v["cluster_spread"] is None
-                     else f", clusters' medians spread {v['cluster_spread']:.3f} (sd of logs)"))
+                     else f", clusters' medians spread {v['cluster_spread']:.3f} (sd of logs)")
+                  + ("" if v["round_spread"] is None
+                     else f"; rounds {v['round_spread']:.3f}, processes "
+                          f"{v['process_spread']:.3f} (95th pct {v['process_spread_high']:.3f})"))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -72,6 +72,27 @@ def test_pool_paired_rounds_resamples_whole_generations() -> None:
     assert abs(summary["cluster_spread"] - abs(math.log(0.8)) / math.sqrt(2)) < 1e-9
 
 
+def test_pool_paired_rounds_splits_spread_into_rounds_and_processes() -> None:
+    # Two rounds per set of processes, +-0.1 around each set's mean (round variance 0.02).
+    sys.path.insert(0, str(BENCHMARKS))
+    from pool_paired_rounds import summarize
+
+    def clusters(offsets: list[float]) -> list[list[float]]:
+        return [[m + 0.1, m - 0.1] for m in offsets]
+
+    # The sets' means spread by 0.1 each way: variance 0.04 / 3, of which round noise explains
+    # 0.02 / 2 (a mean of two rounds); the rest is the processes'.
+    summary = summarize(clusters([0.1, -0.1, 0.1, -0.1]))
+    assert abs(summary["round_spread"] - math.sqrt(0.02)) < 1e-12
+    assert abs(summary["process_spread"] - math.sqrt(0.04 / 3 - 0.01)) < 1e-12
+    assert summary["process_spread_high"] >= summary["process_spread"]
+    # Means that spread less than round noise predicts: no process part (0, not a complex sd).
+    assert summarize(clusters([0.0] * 4))["process_spread"] == 0.0
+    # One round per set, or one set: no split.
+    assert summarize([[0.1], [0.2], [0.3]])["round_spread"] is None
+    assert summarize([[0.1, 0.2]])["process_spread"] is None
+
+
 def test_engine_throughput_merges_generations_into_clustered_pairs() -> None:
     sys.path.insert(0, str(BENCHMARKS))
     from bench_engine_throughput import merge_generations, paired_ratios
