@@ -29,9 +29,10 @@
 #             generation: off/stock's spread across generations against on/on_optout's
 #             (`pool_paired_rounds.py` prints both as cluster_spread)             (~9.5 min)
 #   rounds    stock / off / on (+ on_optout) at B=1, 64 and 256, 2 generations of 8 rounds:
-#             with 8 rounds per set of processes, a per-process offset (off/stock's spread
-#             across generations beyond its rounds') is resolved from round noise, which 2
-#             rounds per generation (`control`) cannot do below ~0.08           (~8-9 min)
+#             the single-process runs' shape (their B=256 on/stock: 0.94; the generations':
+#             0.995) with `off` beside it, and 8 rounds per set of processes, so a per-process
+#             part of ~0.05 stands out of round noise (2 rounds, `control`: not below ~0.08)
+#                                                                                (~8-9 min)
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #             (one set of engine processes per call: four engines take ~6 min to start and
 #             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
