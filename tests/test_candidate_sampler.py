@@ -109,6 +109,38 @@ def test_samples_follow_the_renormalised_kept_distribution(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_seeded_rows_sample_what_vllms_gumbel_path_samples(device: str, dtype: torch.dtype) -> None:
+    # A mask engine samples a step with the candidate sampler or, where it does not apply (a
+    # top_k above 1024 in the batch) or no request of the step wants masks, with vLLM's own
+    # path. For a seeded request that choice must not show: given the same kept set, vLLM's
+    # Gumbel sampler (MRV2's gumbel_sample over the top-k/top-p-filtered logits) picks the same
+    # token, so its tokens do not depend on which requests share its steps.
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = 48, 1000
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    top_k = torch.randint(1, 60, (rows,), generator=gen).tolist()
+    top_p = (torch.rand(rows, generator=gen) * 0.5 + 0.5).tolist()
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=gen).tolist()
+    pos = torch.randint(0, 40_000, (rows,), generator=gen).tolist()
+    temperature = [1.0] * (rows - 2) + [0.0, 0.0]  # greedy rows too (opted-out requests only)
+    filtered = torch.full_like(logits, float("-inf"))
+    for row, ids in enumerate(kept_candidates_reference(logits, top_k, top_p)):
+        filtered[row, ids] = logits[row, ids]
+    ours = run(logits.to(device), top_k, top_p, seeds=seeds, temperature=temperature, pos=pos,
+               write_processed=False).sampled.cpu()
+    slots = torch.arange(rows - 1, -1, -1, device=device)  # as run() maps rows to slots
+    vllms = gumbel_sample(
+        filtered.to(device), slots,
+        torch.tensor(temperature[::-1], dtype=torch.float32, device=device),
+        torch.tensor(seeds[::-1], dtype=torch.int64, device=device),
+        torch.tensor(pos, dtype=torch.int64, device=device), apply_temperature=False).cpu()
+    assert ours.tolist() == vllms.tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_candidate_count_bounds(device: str) -> None:
     logits = torch.randn(2, 100, device=device)
     with pytest.raises(ValueError, match="num_candidates"):
