@@ -28,11 +28,11 @@
 #             then stock / off / on (+ on_optout) at B=256 in fresh processes, 2 rounds per
 #             generation: off/stock's spread across generations against on/on_optout's
 #             (`pool_paired_rounds.py` prints both as cluster_spread)             (~9.5 min)
-#   rounds    stock / off / on (+ on_optout) at B=1, 64 and 256, 2 generations of 8 rounds:
-#             the single-process runs' shape (their B=256 on/stock: 0.94; the generations':
-#             0.995) with `off` beside it, and 8 rounds per set of processes, so a per-process
-#             part of ~0.05 stands out of round noise (2 rounds, `control`: not below ~0.08)
-#                                                                                (~8-9 min)
+#   rounds [B]  stock / off / on (+ on_optout) at B=1, 64 and 256 (or B alone, e.g. 256),
+#             2 generations of 8 rounds: the single-process runs' shape (their B=256
+#             on/stock: 0.94; the generations': 0.995) with `off` beside it, and 8 rounds per
+#             set of processes, so a per-process part of ~0.05 stands out of round noise (2
+#             rounds, `control`: not below ~0.08)                               (~8-9 min)
 #   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
 #             (one set of engine processes per call: four engines take ~6 min to start and
 #             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
@@ -191,7 +191,7 @@ case "${1:-}" in
     ;;
   rounds)
     bench bench_engine_throughput engine_rounds 560 --configs stock,off,on --same-process-optout \
-      --interleave --pin 5 "${compiled[@]}" --generations 2 --reps 8
+      --interleave --pin 5 "${compiled[@]}" --generations 2 --reps 8 ${2:+--batch-sizes "$2"}
     ;;
   logprobs)
     bench bench_engine_throughput engine_logprobs 330 --configs stock,on --interleave \
