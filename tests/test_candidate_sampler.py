@@ -17,23 +17,29 @@ DEVICES = [pytest.param("cpu", id="interpreter"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
 
 
+def row_slots(rows: int, device: torch.device | str) -> torch.Tensor:
+    """``[rows]`` request slot of each row: one per row, in reverse order (so the slot mapping
+    is honoured, not the row order)."""
+    return torch.arange(rows - 1, -1, -1, device=device)
+
+
+def by_slot(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Per-row ``values`` as a per-slot tensor (``row_slots``' order)."""
+    return torch.tensor(values[::-1], dtype=dtype, device=device)
+
+
 def run(logits: torch.Tensor, top_k: list[int], top_p: list[float], *,
         seeds: list[int] | None = None, temperature: list[float] | None = None,
         pos: list[int] | None = None,
         num_candidates: int | None = None, write_processed: bool = True):
-    """One request slot per row, in reverse order (the slot mapping is honoured)."""
+    """``sample_from_candidates`` with the rows' values laid out by ``row_slots``."""
     device = logits.device
     rows = logits.shape[0]
-    slots = torch.arange(rows - 1, -1, -1, device=device)
-
-    def by_slot(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values[::-1], dtype=dtype, device=device)
-
     return sample_from_candidates(
-        logits, num_candidates or max(top_k), slots,
-        by_slot(top_k, torch.int32), by_slot(top_p, torch.float32),
-        by_slot(temperature or [1.0] * rows, torch.float32),
-        by_slot(seeds or list(range(rows)), torch.int64),
+        logits, num_candidates or max(top_k), row_slots(rows, device),
+        by_slot(top_k, torch.int32, device), by_slot(top_p, torch.float32, device),
+        by_slot(temperature or [1.0] * rows, torch.float32, device),
+        by_slot(seeds or list(range(rows)), torch.int64, device),
         torch.tensor(pos or [7] * rows, dtype=torch.int64, device=device), write_processed)
 
 
@@ -131,11 +137,9 @@ def test_seeded_rows_sample_what_vllms_gumbel_path_samples(device: str, dtype: t
         filtered[row, ids] = logits[row, ids]
     ours = run(logits.to(device), top_k, top_p, seeds=seeds, temperature=temperature, pos=pos,
                write_processed=False).sampled.cpu()
-    slots = torch.arange(rows - 1, -1, -1, device=device)  # as run() maps rows to slots
     vllms = gumbel_sample(
-        filtered.to(device), slots,
-        torch.tensor(temperature[::-1], dtype=torch.float32, device=device),
-        torch.tensor(seeds[::-1], dtype=torch.int64, device=device),
+        filtered.to(device), row_slots(rows, device),
+        by_slot(temperature, torch.float32, device), by_slot(seeds, torch.int64, device),
         torch.tensor(pos, dtype=torch.int64, device=device), apply_temperature=False).cpu()
     assert ours.tolist() == vllms.tolist()
 
