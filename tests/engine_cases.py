@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,17 @@ def check_opt_out(llm: Any) -> None:
             assert check_completion(completion, with_logprobs=True) == []
     greedy_alone = generate(llm, ["Hello world", "the quick brown fox"], [greedy, unbounded])
     assert all(c.sampling_mask is None and len(c.token_ids) == 8 for c in greedy_alone)
+    # Opting out changes nothing of what is sampled: a seeded request alone in its batch, with
+    # logprobs (MRV2 samples such a step with the candidate sampler), draws the masked one's
+    # tokens, and its processed logprobs are normalised over its top_k.
+    seeded = dict(temperature=1.0, top_k=6, logprobs=10, max_tokens=8, seed=21)
+    kept, dropped = (generate(llm, ["kalo mitor"], SamplingParams(**seeded, extra_args=extra))[0]
+                     for extra in (None, out))
+    assert dropped.sampling_mask is None and dropped.token_ids == kept.token_ids
+    for token, step in zip(dropped.token_ids, dropped.logprobs):
+        finite = [lp.logprob for lp in step.values() if math.isfinite(lp.logprob)]
+        assert math.isfinite(step[token].logprob) and len(finite) == 6
+        assert math.isclose(sum(math.exp(x) for x in finite), 1.0, abs_tol=1e-4)
     with pytest.raises(ValueError, match=r"extra_args\['return_sampling_mask'\] must be a bool"):
         llm.generate(["Hello"], SamplingParams(temperature=1.0, top_k=4, max_tokens=2,
                                                extra_args={"return_sampling_mask": "no"}))

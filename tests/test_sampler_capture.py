@@ -198,6 +198,40 @@ def test_steps_with_small_top_k_sample_with_the_candidates() -> None:
     assert torch.equal(unfiltered, logits)  # not read by Sampler.__call__ without logprobs
 
 
+def test_steps_without_masks_that_return_logprobs_sample_with_the_candidates() -> None:
+    # Only opted-out rows: without logprobs vLLM's sampler runs (FlashInfer where vLLM chose
+    # it); with logprobs (which turn FlashInfer off in a processed_logprobs engine) the candidate
+    # sampler runs and nothing is captured.
+    vocab = 300
+    sampler = fake_sampler(vocab)
+    attach_capture(sampler, fake_config(True))
+    add_request = wrap_add_request(lambda self, req_idx, prompt_len, params: None)
+    for slot in (2, 3):
+        add_request(sampler, slot, 5, SimpleNamespace(extra_args={"return_sampling_mask": False}))
+    sampler.sampling_states.top_k.np[[2, 3]] = [4, 10]
+    vllm_calls: list[bool] = []
+
+    def vllm_path(self, logits, *args, **kwargs):
+        vllm_calls.append(self.use_flashinfer)
+        return torch.zeros(logits.shape[0], dtype=torch.int64), logits
+
+    sample = wrap_sample(vllm_path)
+    logits = torch.arange(2 * vocab, dtype=torch.float32).reshape(2, vocab)
+    mapping = torch.tensor([2, 3], dtype=torch.int32)
+    positions = torch.tensor([0, 1])
+    sample(sampler, logits.clone(), mapping, np.array([2, 3]), positions, None, None)
+    assert vllm_calls == [True]
+    assert sampler.__dict__.pop("_sampling_mask_pending") is NO_MASKS_WANTED
+
+    sampled, processed = sample(sampler, logits.clone(), mapping, np.array([2, 3]), positions,
+                                None, None, return_logprobs=True)
+    assert vllm_calls == [True]  # not called again
+    assert sampler.__dict__.pop("_sampling_mask_pending") is NO_MASKS_WANTED
+    assert torch.isfinite(processed[0]).nonzero().flatten().tolist() == list(range(296, 300))
+    assert torch.isfinite(processed[1]).nonzero().flatten().tolist() == list(range(290, 300))
+    assert 296 <= int(sampled[0]) < 300 and 290 <= int(sampled[1]) < 300
+
+
 def test_a_failing_flashinfer_top_k_falls_back_to_torch_topk(monkeypatch, caplog) -> None:
     # FlashInfer's top-k JIT-compiles on first use, at engine load: if that fails (no CUDA
     # compiler, say), the engine still starts and takes the candidates with torch.topk.

@@ -97,7 +97,8 @@ PATCHES: list[Patch] = [
         make=f"{_P}.worker.sampler:wrap_sample",
         why="Mask steps sample here: with the candidate sampler (the kernel that samples writes "
         "the kept ids) where every top_k <= 1024, else vLLM's path, whose processed logits "
-        "after top-k/top-p exist only here, then compacted (Triton).",
+        "after top-k/top-p exist only here, then compacted (Triton). Steps without masks that "
+        "return logprobs take the candidate sampler too (faster than vLLM's fallback there).",
         process="worker",
     ),
     Patch(

@@ -20,8 +20,10 @@ positions its accepted tokens came from.
 
 The sampler remembers which of its requests opted out (``extra_args["return_sampling_mask"] =
 False``): their rows are sampled and copied with the others but do not set the compaction width
-and are never unpacked, and a step with none that wants masks runs vLLM's sampler as it is
-(FlashInfer included) with no capture.
+and are never unpacked, and a step with none that wants masks captures nothing and runs vLLM's
+sampler as it is (FlashInfer included), unless it returns logprobs: then vLLM would take its
+Triton top-k/top-p + Gumbel path (FlashInfer cannot return processed logprobs), and the
+candidate sampler, which draws the same tokens, samples it where it applies.
 """
 
 from __future__ import annotations
@@ -143,12 +145,14 @@ def wrap_sample(original: Any) -> Any:
             return original(self, *args, return_logprobs=return_logprobs)
         row_wants = capture.wants_masks[idx_mapping_np]
         any_wants = bool(row_wants.any())
-        if any_wants:
+        # A step that returns logprobs is never sampled by FlashInfer here (the engine's
+        # processed_logprobs mode turns it off; stock's raw mode keeps it): the candidate
+        # sampler draws the tokens vLLM's Triton fallback would, faster, masks wanted or not.
+        if any_wants or return_logprobs:
             top_k_np = self.sampling_states.top_k.np[idx_mapping_np]
             max_top_k = int(top_k_np.max())
             if max_top_k <= min(MAX_CANDIDATES, capture.max_width):
-                return sample_with_candidates(self, args, max_top_k, return_logprobs,
-                                              None if row_wants.all() else row_wants)
+                return sample_with_candidates(self, args, max_top_k, return_logprobs, row_wants)
         self.use_flashinfer = capture.use_flashinfer and not any_wants
         sampled, processed_logits = original(self, *args, return_logprobs=return_logprobs)
         if not any_wants:
@@ -163,15 +167,17 @@ def wrap_sample(original: Any) -> Any:
 
 def sample_with_candidates(
     sampler: Any, args: tuple[Any, ...], max_top_k: int, return_logprobs: bool,
-    row_wants: np.ndarray | None,
+    row_wants: np.ndarray,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Sampler.sample`` of a mask step whose top_k are all <= ``MAX_CANDIDATES``: vLLM's
+    """``Sampler.sample`` of a step whose top_k are all <= ``MAX_CANDIDATES``: vLLM's
     transforms up to min-p, then the candidate sampler; leaves the step's masks pending.
 
     ``args``: ``Sampler.sample``'s ``(logits, expanded_idx_mapping, idx_mapping_np, pos,
-    input_ids, expanded_local_pos)``. Returns ``(sampled [R] int64, processed logits)``; the
-    latter are filtered (``-inf`` outside each row's kept ids) when logprobs are returned, else
-    the pre-top-k logits, which ``Sampler.__call__`` does not read then.
+    input_ids, expanded_local_pos)``; ``row_wants``: ``[R]`` bool, the rows that want masks
+    (none: nothing is copied, as in a step vLLM samples). Returns ``(sampled [R] int64,
+    processed logits)``; the latter are filtered (``-inf`` outside each row's kept ids) when
+    logprobs are returned, else the pre-top-k logits, which ``Sampler.__call__`` does not read
+    then.
     """
     logits = sampler.apply_sampling_params(*args, skip_top_k_top_p=True)
     states = sampler.sampling_states
@@ -179,8 +185,12 @@ def sample_with_candidates(
         logits, max_top_k, args[1], states.top_k.gpu, states.top_p.gpu, states.temperature.gpu,
         states.seeds.gpu, args[3], write_processed=return_logprobs,
     )
-    support = CompactSupport(result.packed, None, logits.shape[1])
-    sampler.__dict__[_PENDING_ATTR] = DeviceStepMasks(support, row_wants=row_wants)
+    if not row_wants.any():
+        sampler.__dict__[_PENDING_ATTR] = NO_MASKS_WANTED
+    else:
+        support = CompactSupport(result.packed, None, logits.shape[1])
+        sampler.__dict__[_PENDING_ATTR] = DeviceStepMasks(
+            support, row_wants=None if row_wants.all() else row_wants)
     return result.sampled, result.processed if return_logprobs else logits
 
 
