@@ -33,7 +33,7 @@
 #             on/stock: 0.94; the generations': 0.995) with `off` beside it, and 8 rounds per
 #             set of processes, so a per-process part of ~0.05 stands out of round noise (2
 #             rounds, `control`: not below ~0.08)                               (~8-9 min)
-#   logprobs  stock / on with logprobs=1, the same way, 4 rounds                     (~4 min)
+#   logprobs  stock / on (+ on_optout) with logprobs=1, the same way, 4 rounds       (~5 min)
 #             (one set of engine processes per call: four engines take ~6 min to start and
 #             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
 #             with pool_paired_rounds.py, each call a cluster)
@@ -194,8 +194,8 @@ case "${1:-}" in
       --interleave --pin 5 "${compiled[@]}" --generations 2 --reps 8 ${2:+--batch-sizes "$2"}
     ;;
   logprobs)
-    bench bench_engine_throughput engine_logprobs 330 --configs stock,on --interleave \
-      --pin 5 "${compiled[@]}" --reps 4 --logprobs 1
+    bench bench_engine_throughput engine_logprobs 330 --configs stock,on --same-process-optout \
+      --interleave --pin 5 "${compiled[@]}" --reps 4 --logprobs 1
     ;;
   http)
     bench bench_host_overhead host_overhead 60 --pin-fastest
