@@ -51,9 +51,9 @@ JSON is written after every round (``"complete": false`` until the end), so a ru
 a time limit keeps the rounds it finished.
 
 ``--same-process-optout`` removes that per-process draw from the mask engine's own cost: the
-``on`` engine also runs every round with all its requests opted out (``on_optout``: vLLM's own
-sampler and outputs on every step, as in ``optout``), right before or after its masked round
-(the order flips every round), in the same process. ``paired_ratios["on/on_optout"]`` is then
+``on`` engine also runs every round with all its requests opted out (``on_optout``: the same
+sampler, nothing captured or copied and vLLM's own outputs on every step, as in ``optout``),
+right before or after its masked round (the order flips every round), in the same process. ``paired_ratios["on/on_optout"]`` is then
 what the masks cost the requests that ask for them, free of which process drew which speed;
 ``on_optout/stock`` (with ``stock`` interleaved) is what a mask engine costs requests that
 don't ask, with the per-process draw in it. Works with or without ``--interleave``.

@@ -112,9 +112,9 @@ def check_opt_out(llm: Any) -> None:
             assert check_completion(completion, with_logprobs=True) == []
     greedy_alone = generate(llm, ["Hello world", "the quick brown fox"], [greedy, unbounded])
     assert all(c.sampling_mask is None and len(c.token_ids) == 8 for c in greedy_alone)
-    # Opting out changes nothing of what is sampled: a seeded request alone in its batch, with
-    # logprobs (MRV2 samples such a step with the candidate sampler), draws the masked one's
-    # tokens, and its processed logprobs are normalised over its top_k.
+    # Opting out changes nothing of what is sampled: a seeded request alone in its batch (no
+    # capture) draws the masked one's tokens, and its processed logprobs are normalised over
+    # its top_k.
     seeded = dict(temperature=1.0, top_k=6, logprobs=10, max_tokens=8, seed=21)
     kept, dropped = (generate(llm, ["kalo mitor"], SamplingParams(**seeded, extra_args=extra))[0]
                      for extra in (None, out))

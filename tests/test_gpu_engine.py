@@ -12,6 +12,7 @@ the 4096-id copy width: exact through the bitmap.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 
@@ -124,7 +125,9 @@ def test_top_p_only_rows_wider_than_the_copy_width(gpu_llm) -> None:
 
 def test_opted_out_requests_in_a_batch_of_64(gpu_llm) -> None:
     """Every other request opts out (greedy or without top_k: not checked, no mask); the others
-    keep the contract. Then a batch of only opted-out requests (no capture at all)."""
+    keep the contract. Then batches of only opted-out requests (no capture at all): vLLM's
+    sampler, and with top_k the candidate sampler, whose processed logprobs are normalised over
+    the kept ids."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -152,5 +155,14 @@ def test_opted_out_requests_in_a_batch_of_64(gpu_llm) -> None:
     alone = gpu_llm.generate(prompts[:8], params[1:9:2] * 2, use_tqdm=False)
     assert all(o.outputs[0].sampling_mask is None and len(o.outputs[0].token_ids) == 32
                for o in alone)
+    top_k = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, logprobs=64, max_tokens=32,
+                           ignore_eos=True, extra_args=out)
+    for output in gpu_llm.generate(prompts[:16], top_k, use_tqdm=False):
+        (completion,) = output.outputs
+        assert completion.sampling_mask is None and len(completion.token_ids) == 32
+        for token, step in zip(completion.token_ids, completion.logprobs):
+            finite = [lp.logprob for lp in step.values() if math.isfinite(lp.logprob)]
+            assert math.isfinite(step[token].logprob) and 1 <= len(finite) <= 50
+            assert math.isclose(sum(math.exp(x) for x in finite), 1.0, abs_tol=1e-3)
     print(f"GPU_OPT_OUT masked={sum(p.extra_args != out for p in params)} opted_out="
           f"{sum(p.extra_args == out for p in params)}", flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_sampling_mask.worker.sampler import (
@@ -85,7 +86,8 @@ def test_opted_out_rows_are_left_out_and_steps_without_masks_keep_vllms_sampler(
     rows = step.copy_to_host_nonblocking().unpack(np.ones(2, dtype=np.int32)).rows
     assert rows[0] == np.array([7, 8, 9], dtype="<i4").tobytes() and rows[1] is None
 
-    sample(sampler, logits[1:], None, np.array([5]), None, None, None)  # only opted-out requests in this step
+    # Only the opted-out request, whose top_k (none) is over MAX_CANDIDATES: vLLM's sampler.
+    sample(sampler, logits[1:], None, np.array([5]), None, None, None)
     assert sampler.__dict__.pop("_sampling_mask_pending") is NO_MASKS_WANTED
     assert flashinfer_seen[-1] is True  # vLLM's own choice of sampler
     assert NO_MASKS_WANTED.copy_to_host_nonblocking().unpack(np.ones(1)).rows == [None]
@@ -198,10 +200,11 @@ def test_steps_with_small_top_k_sample_with_the_candidates() -> None:
     assert torch.equal(unfiltered, logits)  # not read by Sampler.__call__ without logprobs
 
 
-def test_steps_without_masks_that_return_logprobs_sample_with_the_candidates() -> None:
-    # Only opted-out rows: without logprobs vLLM's sampler runs (FlashInfer where vLLM chose
-    # it); with logprobs (which turn FlashInfer off in a processed_logprobs engine) the candidate
-    # sampler runs and nothing is captured.
+@pytest.mark.parametrize("return_logprobs", [False, True])
+def test_steps_without_masks_sample_with_the_candidates_and_capture_nothing(
+        return_logprobs: bool) -> None:
+    # Only opted-out rows, every top_k <= MAX_CANDIDATES: the candidate sampler (vLLM's path is
+    # not called) and nothing to copy; the processed logits are the kept ids' with logprobs.
     vocab = 300
     sampler = fake_sampler(vocab)
     attach_capture(sampler, fake_config(True))
@@ -209,27 +212,20 @@ def test_steps_without_masks_that_return_logprobs_sample_with_the_candidates() -
     for slot in (2, 3):
         add_request(sampler, slot, 5, SimpleNamespace(extra_args={"return_sampling_mask": False}))
     sampler.sampling_states.top_k.np[[2, 3]] = [4, 10]
-    vllm_calls: list[bool] = []
 
-    def vllm_path(self, logits, *args, **kwargs):
-        vllm_calls.append(self.use_flashinfer)
-        return torch.zeros(logits.shape[0], dtype=torch.int64), logits
+    def vllm_path(*args, **kwargs):
+        raise AssertionError("vLLM's sampler ran")
 
     sample = wrap_sample(vllm_path)
     logits = torch.arange(2 * vocab, dtype=torch.float32).reshape(2, vocab)
-    mapping = torch.tensor([2, 3], dtype=torch.int32)
-    positions = torch.tensor([0, 1])
-    sample(sampler, logits.clone(), mapping, np.array([2, 3]), positions, None, None)
-    assert vllm_calls == [True]
+    sampled, processed = sample(sampler, logits.clone(), torch.tensor([2, 3], dtype=torch.int32),
+                                np.array([2, 3]), torch.tensor([0, 1]), None, None,
+                                return_logprobs=return_logprobs)
     assert sampler.__dict__.pop("_sampling_mask_pending") is NO_MASKS_WANTED
-
-    sampled, processed = sample(sampler, logits.clone(), mapping, np.array([2, 3]), positions,
-                                None, None, return_logprobs=True)
-    assert vllm_calls == [True]  # not called again
-    assert sampler.__dict__.pop("_sampling_mask_pending") is NO_MASKS_WANTED
-    assert torch.isfinite(processed[0]).nonzero().flatten().tolist() == list(range(296, 300))
-    assert torch.isfinite(processed[1]).nonzero().flatten().tolist() == list(range(290, 300))
     assert 296 <= int(sampled[0]) < 300 and 290 <= int(sampled[1]) < 300
+    if return_logprobs:
+        assert torch.isfinite(processed[0]).nonzero().flatten().tolist() == list(range(296, 300))
+        assert torch.isfinite(processed[1]).nonzero().flatten().tolist() == list(range(290, 300))
 
 
 def test_a_failing_flashinfer_top_k_falls_back_to_torch_topk(monkeypatch, caplog) -> None:

@@ -18,9 +18,9 @@ Per request, ``SamplingParams.extra_args["return_sampling_mask"]`` (bool, defaul
 whose switch is on; 0 / 1 are accepted as well, since the OpenAI requests' ``vllm_xargs`` parse
 JSON booleans as ints): ``False`` opts that request out. It is then not checked (greedy, no
 top_k: anything vLLM accepts), its row neither sets the step's copy width nor is sent, and its
-outputs carry no mask; a step of only such requests compacts and copies nothing and runs
-vLLM's own sampler (FlashInfer where vLLM would use it). The HTTP endpoints set it from their
-request fields.
+outputs carry no mask; a step of only such requests compacts and copies nothing (it samples as
+a mask step would where every top_k is <= 1024, else with vLLM's own sampler). The HTTP
+endpoints set it from their request fields.
 """
 
 from __future__ import annotations

@@ -89,16 +89,16 @@ PATCHES: list[Patch] = [
         target="vllm.v1.worker.gpu.sample.sampler:Sampler.add_request",
         make=f"{_P}.worker.sampler:wrap_add_request",
         why="Remember per request slot whether it wants masks (extra_args opt-out), so steps "
-        "skip opted-out rows, and steps without any keep vLLM's sampler.",
+        "skip opted-out rows, and steps without any capture nothing.",
         process="worker",
     ),
     Patch(
         target="vllm.v1.worker.gpu.sample.sampler:Sampler.sample",
         make=f"{_P}.worker.sampler:wrap_sample",
-        why="Mask steps sample here: with the candidate sampler (the kernel that samples writes "
-        "the kept ids) where every top_k <= 1024, else vLLM's path, whose processed logits "
-        "after top-k/top-p exist only here, then compacted (Triton). Steps without masks that "
-        "return logprobs take the candidate sampler too (faster than vLLM's fallback there).",
+        why="Steps sample here with the candidate sampler (the kernel that samples writes the "
+        "kept ids; faster than vLLM's samplers) where every top_k <= 1024, masks wanted or "
+        "not; other mask steps with vLLM's path, whose processed logits after top-k/top-p "
+        "exist only here, then compacted (Triton).",
         process="worker",
     ),
     Patch(

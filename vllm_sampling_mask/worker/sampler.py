@@ -1,14 +1,15 @@
 """Capture in the MRV2 sampler (extends ``vllm/v1/worker/gpu/sample/sampler.py``).
 
-A step in which some request wants masks samples with the candidate sampler
-(``candidate_sampler.py``: top-k, top-p and the sample over each row's top_k candidates, the kept
-ids written by the kernel that samples) when every request of the step has a ``top_k`` of at
-most ``MAX_CANDIDATES`` (and the engine's width cap). Other mask steps (top-p only, larger
-top_k) run vLLM's top-k/top-p + Gumbel path and compact the processed logits it returns, after
-every transform vLLM applies (logit bias, penalties, bad words, temperature, min-p,
-top-k/top-p; grammar masks come earlier); vLLM's FlashInfer sampler is never used there, since
-its "processed" logits are the pre-top-k ones. Both paths start from vLLM's own
-``apply_sampling_params``.
+A step whose requests all have a ``top_k`` of at most ``MAX_CANDIDATES`` (and the engine's width
+cap) samples with the candidate sampler (``candidate_sampler.py``: top-k, top-p and the sample
+over each row's top_k candidates, the kept ids written by the kernel that samples), whether or
+not a request wants masks: it takes less device time than vLLM's FlashInfer sampler and draws
+the tokens vLLM's own Gumbel path draws from the same kept set (seeded requests included), so
+requests that opt out get it too. Other mask steps (top-p only, larger top_k) run vLLM's
+top-k/top-p + Gumbel path and compact the processed logits it returns, after every transform
+vLLM applies (logit bias, penalties, bad words, temperature, min-p, top-k/top-p; grammar masks
+come earlier); vLLM's FlashInfer sampler is never used there, since its "processed" logits are
+the pre-top-k ones. Both paths start from vLLM's own ``apply_sampling_params``.
 
 Speculative decoding (EAGLE, EAGLE3, MTP, DFlash, DSpark): a step with draft tokens is sampled
 by vLLM's ``RejectionSampler``, which applies every transform including top-k/top-p to the
@@ -20,10 +21,8 @@ positions its accepted tokens came from.
 
 The sampler remembers which of its requests opted out (``extra_args["return_sampling_mask"] =
 False``): their rows are sampled and copied with the others but do not set the compaction width
-and are never unpacked, and a step with none that wants masks captures nothing and runs vLLM's
-sampler as it is (FlashInfer included), unless it returns logprobs: then vLLM would take its
-Triton top-k/top-p + Gumbel path (FlashInfer cannot return processed logprobs), and the
-candidate sampler, which draws the same tokens, samples it where it applies.
+and are never unpacked; a step with none that wants masks captures and copies nothing, and
+where the candidate sampler does not apply runs vLLM's sampler as it is (FlashInfer included).
 """
 
 from __future__ import annotations
@@ -125,8 +124,8 @@ def wrap_add_request(original: Any) -> Any:
 
 
 def wrap_sample(original: Any) -> Any:
-    """``Sampler.sample``: sample mask steps with the candidate sampler where it applies, else
-    compact the processed logits vLLM's path returns (rows that want masks)."""
+    """``Sampler.sample``: sample with the candidate sampler where it applies, else with vLLM's
+    path, compacting the processed logits it returns (rows that want masks)."""
 
     @functools.wraps(original)
     def sample(
@@ -144,15 +143,11 @@ def wrap_sample(original: Any) -> Any:
         if capture is None:
             return original(self, *args, return_logprobs=return_logprobs)
         row_wants = capture.wants_masks[idx_mapping_np]
+        top_k_np = self.sampling_states.top_k.np[idx_mapping_np]
+        max_top_k = int(top_k_np.max())
+        if max_top_k <= min(MAX_CANDIDATES, capture.max_width):
+            return sample_with_candidates(self, args, max_top_k, return_logprobs, row_wants)
         any_wants = bool(row_wants.any())
-        # A step that returns logprobs is never sampled by FlashInfer here (the engine's
-        # processed_logprobs mode turns it off; stock's raw mode keeps it): the candidate
-        # sampler draws the tokens vLLM's Triton fallback would, faster, masks wanted or not.
-        if any_wants or return_logprobs:
-            top_k_np = self.sampling_states.top_k.np[idx_mapping_np]
-            max_top_k = int(top_k_np.max())
-            if max_top_k <= min(MAX_CANDIDATES, capture.max_width):
-                return sample_with_candidates(self, args, max_top_k, return_logprobs, row_wants)
         self.use_flashinfer = capture.use_flashinfer and not any_wants
         sampled, processed_logits = original(self, *args, return_logprobs=return_logprobs)
         if not any_wants:
