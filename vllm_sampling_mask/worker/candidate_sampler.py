@@ -5,8 +5,10 @@ instead of in vLLM's top-k/top-p + Gumbel path followed by the ``[R, V]`` compac
 
 1. ``top_candidates`` takes each row's ``K`` largest processed logits (``K`` = the batch's
    largest top_k), sorted descending: the candidates. NaN and +inf rank first and are never
-   kept (a row whose top_k candidates are all non-finite keeps nothing; only a broken model
-   gets there, since requests with a non-finite logit_bias are refused);
+   kept (a row whose top_k candidates are all non-finite keeps nothing and takes its first
+   candidate; one with some samples among its finite ones, where vLLM's Gumbel path would take
+   a +inf id. Mask requests with a non-finite logit_bias are refused, so only a broken model or
+   an opted-out request gets there);
 2. one Triton program per row keeps the first ``top_k`` finite candidates, then the top-p prefix
    of those (top-k first, then top-p over the renormalised top-k, vLLM's order), samples one of
    the kept ids with Gumbel noise seeded by the request's seed and position, sorts the kept ids
