@@ -19,7 +19,11 @@ ignore_eos=True, logprobs=--logprobs`` (default None). A short generate per B wa
 rounds over all B, with fresh prompts each round (the same ones for every engine, so the prefix
 cache never helps). Throughput = output tokens / wall time of ``generate``; the median round is
 reported, and on/off per B; also the best round of each engine and their ratios (rounds can
-spread by +-20% on a shared machine, and the best round is the least disturbed one)::
+spread by +-20% on a shared machine, and the best round is the least disturbed one). Each round
+also records its median engine step (``median_step_s``, from the engine core's timestamps:
+``engine_step_times``) and the throughput at that step (``median_step_tokens_per_s``; paired in
+``paired_step_ratios``), which a few slow steps (the machine's bursts, or the engine's own) do
+not move; the criterion stays the wall-time throughput::
 
     python benchmarks/bench_engine_throughput.py --out bench_out/engine_throughput.json  # H200
     python benchmarks/bench_engine_throughput.py --small                                 # CPU smoke
@@ -62,6 +66,7 @@ don't ask, with the per-process draw in it. Works with or without ``--interleave
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -73,7 +78,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +226,37 @@ def make_prompts(batch: int, round_index: int, prompt_len: int, vocab: int,
 
 
 NOT_CHECKED = {"ok": None, "rows": 0, "problems": []}
+
+
+@contextlib.contextmanager
+def engine_step_times(llm: Any) -> Iterator[list[float]]:
+    """Collect, while the block runs, the engine core's timestamp of every step whose outputs
+    reach ``llm``'s frontend: ``EngineCoreOutputs.timestamp``, ``time.monotonic()`` in the
+    engine-core process when the step's outputs were built, so the frontend's own delays are
+    not in the intervals. Steps without outputs are left out."""
+    client = llm.llm_engine.engine_core
+    get_output = client.get_output
+    stamps: list[float] = []
+
+    def recording_get_output(*args: Any, **kwargs: Any) -> Any:
+        outputs = get_output(*args, **kwargs)
+        if outputs.outputs:
+            stamps.append(outputs.timestamp)
+        return outputs
+
+    client.get_output = recording_get_output
+    try:
+        yield stamps
+    finally:
+        del client.get_output  # the class's method again
+
+
+def median_step_seconds(stamps: Sequence[float]) -> float | None:
+    """Median interval between consecutive step timestamps (None with fewer than two): a
+    round's typical step, which a few slow steps (the machine's, or the engine's own) do not
+    move, unlike the round's tokens / wall time."""
+    intervals = [b - a for a, b in zip(stamps, stamps[1:])]
+    return statistics.median(intervals) if intervals else None
 """``mask_check`` of a checkpoint taken before the generation's last round (the one checked)."""
 
 
@@ -312,17 +348,24 @@ class EngineUnderTest:
         prompts = make_prompts(batch, round_index, self.args.prompt_len, self.vocab,
                                variant=self.modes.index(mode))
         cpu_before = thread_cpu_times(os.getpid())
-        t0 = time.perf_counter()
-        outputs = self.llm.generate(prompts, self.params(self.args.output_len, mode),
-                                    use_tqdm=False)
-        seconds = time.perf_counter() - t0
+        with engine_step_times(self.llm) as stamps:
+            t0 = time.perf_counter()
+            outputs = self.llm.generate(prompts, self.params(self.args.output_len, mode),
+                                        use_tqdm=False)
+            seconds = time.perf_counter() - t0
         busy = busiest_threads(cpu_before, thread_cpu_times(os.getpid()), seconds)
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        # At the round's mean tokens per step (the batch size, but with draft tokens).
+        step_s = median_step_seconds(stamps)
+        step = {} if step_s is None else {
+            "median_step_s": step_s, "median_step_tokens_per_s": tokens / len(stamps) / step_s}
         self.rounds[mode][batch].append({"seconds": seconds, "output_tokens": tokens,
-                                         "tokens_per_s": tokens / seconds} | busy)
+                                         "tokens_per_s": tokens / seconds} | step | busy)
         print(f"[{mode}] B={batch} round {round_index}: {tokens / seconds:,.0f} tok/s "
-              f"({tokens} tokens, {seconds:.2f} s; busiest thread busy: frontend "
-              f"{busy['frontend_busy']:.2f}, engine core {busy['core_busy']:.2f})", flush=True)
+              f"({tokens} tokens, {seconds:.2f} s; median step "
+              f"{step_s * 1e3 if step_s else float('nan'):.3f} ms; busiest thread busy: "
+              f"frontend {busy['frontend_busy']:.2f}, engine core {busy['core_busy']:.2f})",
+              flush=True)
         if round_index % self.args.reps == self.args.reps - 1:  # a generation's last round
             self.checks[mode][batch] = check_masks(outputs, on=mode == "on")
 
@@ -709,6 +752,7 @@ def write_report(args: argparse.Namespace, model: str, pinning: dict[str, Any] |
         "ratios": ratios(results, args.batch_sizes),
         "best_round_ratios": ratios(results, args.batch_sizes, "best_tokens_per_s"),
         "paired_ratios": paired_ratios(results),
+        "paired_step_ratios": paired_ratios(results, "median_step_tokens_per_s"),
         "complete": final,
     }
     print("\n" + markdown(report))
@@ -747,7 +791,8 @@ def ratios(results: dict[str, dict], batch_sizes: list[int],
     return out
 
 
-def paired_ratios(results: dict[str, dict]) -> dict[str, dict[str, Any]]:
+def paired_ratios(results: dict[str, dict],
+                  metric: str = "tokens_per_s") -> dict[str, dict[str, Any]]:
     """``{"on/stock": {B: {"median", "min", "max", "rounds", "by_generation", "interval"}},
     ...}``: round r of each engine over round r of the baseline (stock, else off), which ran
     next to it in time, and ``on/on_optout`` (the two modes of one process); the median pair
@@ -762,7 +807,8 @@ def paired_ratios(results: dict[str, dict]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, baseline in comparisons:
         by_batch = {}
-        for b, clusters in paired_log_ratios({"results": results}, name, baseline).items():
+        for b, clusters in paired_log_ratios({"results": results}, name, baseline,
+                                             metric).items():
             rounds = [math.exp(x) for cluster in clusters for x in cluster]
             pooled = summarize(clusters)
             by_batch[b] = {
@@ -796,16 +842,18 @@ def markdown(report: dict) -> str:
     for name, by_batch in report["best_round_ratios"].items():
         lines.append(f"best round {name}: " + ", ".join(
             f"B={b} {by_batch[str(b)]:.3f}" for b in c["batch_sizes"]))
-    for name, by_batch in report.get("paired_ratios", {}).items():
-        lines.append(f"paired rounds {name} (median [min, max]): " + ", ".join(
-            f"B={b} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]"
-            for b, v in by_batch.items()))
-        if any(v["interval"] for v in by_batch.values()):
-            lines.append("  by generation (median pair of each; 95% interval over "
-                         "generations): " + ", ".join(
-                             f"B={b} " + "/".join(f"{g:.3f}" for g in v["by_generation"])
-                             + f" [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
-                             for b, v in by_batch.items()))
+    for kind, pairs in (("", report.get("paired_ratios", {})),
+                        (" at their median step", report.get("paired_step_ratios", {}))):
+        for name, by_batch in pairs.items():
+            lines.append(f"paired rounds{kind} {name} (median [min, max]): " + ", ".join(
+                f"B={b} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]"
+                for b, v in by_batch.items()))
+            if any(v["interval"] for v in by_batch.values()):
+                lines.append("  by generation (median pair of each; 95% interval over "
+                             "generations): " + ", ".join(
+                                 f"B={b} " + "/".join(f"{g:.3f}" for g in v["by_generation"])
+                                 + f" [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
+                                 for b, v in by_batch.items()))
     for n in names:
         busy = [(b, [x["frontend_busy"] for x in v["rounds"]],
                  [x["core_busy"] for x in v["rounds"]])

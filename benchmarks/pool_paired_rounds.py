@@ -26,6 +26,8 @@ alternate round by round on one server)::
         --baseline off --configs compact,json
 
 ``--png`` plots the medians with their intervals against batch size (needs matplotlib).
+``--metric median_step_tokens_per_s`` pairs the rounds' throughput at their median engine step
+instead of their tokens / wall time (``bench_engine_throughput.py``: ``median_step_seconds``).
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from typing import Any
 BOOTSTRAP_RESAMPLES = 4000
 
 
-def paired_log_ratios(report: dict[str, Any], config: str,
-                      baseline: str) -> dict[str, list[list[float]]]:
+def paired_log_ratios(report: dict[str, Any], config: str, baseline: str,
+                      metric: str = "tokens_per_s") -> dict[str, list[list[float]]]:
     """``{B: [[log(config round r / baseline round r), ...] per generation]}`` of one run's
-    JSON report (one generation where its rounds carry no ``generation``)."""
+    JSON report (one generation where its rounds carry no ``generation``), of each round's
+    ``metric``; a batch size whose rounds lack it (older runs) has no pairs."""
     results = report.get("results", {})
     if config not in results or baseline not in results:
         return {}
@@ -56,12 +59,14 @@ def paired_log_ratios(report: dict[str, Any], config: str,
         theirs = results[baseline]["by_batch"].get(batch)
         if theirs is None:
             continue
+        if any(metric not in r for r in ours["rounds"] + theirs["rounds"]):
+            continue
         clusters: dict[int, list[float]] = {}
         for a, b in zip(ours["rounds"], theirs["rounds"]):
             if a.get("generation", 0) != b.get("generation", 0):
                 raise ValueError(f"{config} and {baseline} rounds of B={batch} are not aligned")
             clusters.setdefault(a.get("generation", 0), []).append(
-                math.log(a["tokens_per_s"] / b["tokens_per_s"]))
+                math.log(a[metric] / b[metric]))
         pairs[batch] = list(clusters.values())
     return pairs
 
@@ -125,15 +130,15 @@ def summarize(clusters: list[list[float]], seed: int = 0) -> dict[str, float | N
     return summary
 
 
-def pool(reports: list[dict[str, Any]], configs: Sequence[str],
-         baseline: str) -> dict[str, dict[str, dict[str, float]]]:
+def pool(reports: list[dict[str, Any]], configs: Sequence[str], baseline: str,
+         metric: str = "tokens_per_s") -> dict[str, dict[str, dict[str, float]]]:
     """``{"on/stock": {B: summary}}`` over every report's pairs (each report's generations
     are clusters)."""
     pooled: dict[str, dict[str, dict[str, float]]] = {}
     for config in configs:
         by_batch: dict[str, list[list[float]]] = {}
         for report in reports:
-            for batch, clusters in paired_log_ratios(report, config, baseline).items():
+            for batch, clusters in paired_log_ratios(report, config, baseline, metric).items():
                 by_batch.setdefault(batch, []).extend(clusters)
         if by_batch:
             pooled[f"{config}/{baseline}"] = {b: summarize(logs) for b, logs in
@@ -183,10 +188,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--configs", default="on,optout,off")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--png", type=Path, help="Also plot the pooled ratios here.")
+    parser.add_argument("--metric", default="tokens_per_s",
+                        choices=("tokens_per_s", "median_step_tokens_per_s"),
+                        help="The rounds' throughput to pair: output tokens / wall time, or "
+                        "at the round's median engine step (insensitive to a few slow steps; "
+                        "older runs of bench_engine_throughput.py lack it).")
     args = parser.parse_args(argv)
     reports = [engine_shaped(json.loads(path.read_text())) for path in args.files]
-    result = {"files": [str(p) for p in args.files],
-              "pooled": pool(reports, args.configs.split(","), args.baseline)}
+    result = {"files": [str(p) for p in args.files], "metric": args.metric,
+              "pooled": pool(reports, args.configs.split(","), args.baseline, args.metric)}
     for name, by_batch in result["pooled"].items():
         for batch, v in by_batch.items():
             print(f"{name} B={batch}: {v['pairs']} pairs in {v['clusters']} clusters, "

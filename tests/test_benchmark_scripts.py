@@ -52,6 +52,50 @@ def test_pool_paired_rounds_pairs_each_round_with_the_baselines() -> None:
         assert abs(summary[key] - 0.9) < 1e-9, (key, summary)
 
 
+def test_pool_paired_rounds_pairs_the_median_step_metric_where_rounds_have_it() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    from pool_paired_rounds import pool
+
+    def run(stock: list[dict], on: list[dict]) -> dict:
+        return {"results": {name: {"interleaved": True, "by_batch": {"1": {"rounds": rounds}}}
+                            for name, rounds in (("stock", stock), ("on", on))}}
+
+    # Wall-time throughput says 0.5 (one slow round of on), the median steps say 1.
+    new = run([{"tokens_per_s": 100, "median_step_tokens_per_s": 400}],
+              [{"tokens_per_s": 50, "median_step_tokens_per_s": 400}])
+    old = run([{"tokens_per_s": 100}], [{"tokens_per_s": 80}])  # before the metric: skipped
+    step = pool([new, old], ["on"], "stock", "median_step_tokens_per_s")["on/stock"]["1"]
+    assert (step["pairs"], step["median"]) == (1, 1.0)
+    assert pool([new, old], ["on"], "stock")["on/stock"]["1"]["pairs"] == 2
+
+
+def test_engine_step_times_reads_the_engine_cores_timestamps() -> None:
+    # Steps with outputs only; the client's own get_output is back afterwards.
+    sys.path.insert(0, str(BENCHMARKS))
+    from types import SimpleNamespace
+
+    from bench_engine_throughput import engine_step_times, median_step_seconds
+
+    class Client:
+        def __init__(self) -> None:
+            self.steps = iter([(1.0, ["a"]), (1.5, []), (1.25, ["b"]), (1.75, ["c"]),
+                               (2.5, ["d"])])
+
+        def get_output(self) -> SimpleNamespace:
+            timestamp, outputs = next(self.steps)
+            return SimpleNamespace(timestamp=timestamp, outputs=outputs)
+
+    client = Client()
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=client))
+    with engine_step_times(llm) as stamps:
+        for _ in range(5):
+            client.get_output()
+    assert stamps == [1.0, 1.25, 1.75, 2.5]
+    assert "get_output" not in vars(client)
+    assert median_step_seconds(stamps) == 0.5  # intervals 0.25, 0.5, 0.75
+    assert median_step_seconds(stamps[:1]) is None
+
+
 def test_pool_paired_rounds_resamples_whole_generations() -> None:
     # Each generation's engines keep the speed they drew at start: 0.8 in every round of one
     # generation, 1.0 in the other. Resampling rounds would make 0.8-vs-1.0 look resolved.
