@@ -29,10 +29,10 @@
 #             generation: off/stock's spread across generations against on/on_optout's
 #             (`pool_paired_rounds.py` prints both as cluster_spread)             (~9.5 min)
 #   rounds [B]  stock / off / on (+ on_optout) at B=1, 64 and 256 (or B alone, e.g. 256),
-#             2 generations of 8 rounds: the single-process runs' shape (their B=256
-#             on/stock: 0.94; the generations': 0.995) with `off` beside it, and 8 rounds per
-#             set of processes, so a per-process part of ~0.05 stands out of round noise (2
-#             rounds, `control`: not below ~0.08)                               (~8-9 min)
+#             2 generations of 8 rounds (a call's limit cuts the second): issue 11's ratios
+#             at every batch size with the `off` control beside them, 8 rounds per set of
+#             processes; every round also has its median engine step (pool both metrics,
+#             `pool_paired_rounds.py --metric median_step_tokens_per_s`)         (~9.5 min)
 #   logprobs  stock / on (+ on_optout) with logprobs=1, the same way, 4 rounds       (~5 min)
 #             (one set of engine processes per call: four engines take ~6 min to start and
 #             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
