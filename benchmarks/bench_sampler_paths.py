@@ -1,7 +1,7 @@
 """Per-step cost of the sampling paths a step can take, one batch at a time (GPU).
 
-For each batch B (vocabulary V = 151936, fp32 processed logits, ``top_k`` 50, ``top_p`` 0.95,
-temperature 1), the paths are:
+For each batch B (vocabulary V = 151936, fp32 processed logits, ``top_k`` ``--top-k`` (50),
+``top_p`` 0.95, temperature 1), the paths are:
 
 - ``stock_flashinfer``: vLLM's ``flashinfer_sample`` (what stock vLLM 0.26 runs for this batch);
 - ``vllm_topk_topp+compaction``: the mask engine before the candidate sampler: vLLM's
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 VOCAB = 151936
-TOP_K, TOP_P = 50, 0.95
+TOP_P = 0.95
 VERIFY_ROWS = 16
 
 
@@ -39,6 +39,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="Write the results as JSON here.")
     parser.add_argument("--batch-sizes", default="1,8,64,256,512")
     parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--top-k", type=int, default=50,
+                        help="Every row's top_k, <= MAX_CANDIDATES (1024): up to there a step "
+                        "samples with the candidate sampler, masks wanted or not.")
     return parser.parse_args(argv)
 
 
@@ -59,10 +62,10 @@ def time_path(fn: Callable[[], Any], reps: int) -> dict[str, float]:
     return {"loop_us": start.elapsed_time(end) * 1e3 / reps, "host_us": host_s * 1e6 / reps}
 
 
-def verify_candidates(logits: Any, result: Any, rows: int) -> None:
+def verify_candidates(logits: Any, result: Any, rows: int, top_k: int) -> None:
     from vllm_sampling_mask.worker.candidate_sampler import kept_candidates_reference
 
-    expected = kept_candidates_reference(logits[:rows].cpu(), [TOP_K] * rows, [TOP_P] * rows)
+    expected = kept_candidates_reference(logits[:rows].cpu(), [top_k] * rows, [TOP_P] * rows)
     packed = result.packed[:rows].cpu()
     got = [packed[r, 1 : 1 + int(packed[r, 0])].tolist() for r in range(rows)]
     if got != expected:
@@ -73,7 +76,7 @@ def verify_candidates(logits: Any, result: Any, rows: int) -> None:
             raise AssertionError(f"sampled token {token} not in its row {row}")
 
 
-def run_batch(batch: int, reps: int) -> dict[str, Any]:
+def run_batch(batch: int, reps: int, top_k: int) -> dict[str, Any]:
     import torch
 
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, flashinfer_sample
@@ -87,15 +90,15 @@ def run_batch(batch: int, reps: int) -> dict[str, Any]:
     gen = torch.Generator(device).manual_seed(batch)
     logits = torch.randn(batch, VOCAB, device=device, generator=gen) * 3
     slots = torch.arange(batch, dtype=torch.int32, device=device)
-    k = torch.full((batch,), TOP_K, dtype=torch.int32, device=device)
+    k = torch.full((batch,), top_k, dtype=torch.int32, device=device)
     p = torch.full((batch,), TOP_P, dtype=torch.float32, device=device)
     temperature = torch.ones(batch, dtype=torch.float32, device=device)
     seeds = torch.arange(batch, dtype=torch.int64, device=device)
     pos = torch.full((batch,), 100, dtype=torch.int64, device=device)
-    width = TOP_K + tie_slack(TOP_K)
+    width = top_k + tie_slack(top_k)
 
     def candidates(write_processed: bool) -> Callable[[], Any]:
-        return lambda: sample_from_candidates(logits.clone(), TOP_K, slots, k, p, temperature,
+        return lambda: sample_from_candidates(logits.clone(), top_k, slots, k, p, temperature,
                                               seeds, pos, write_processed)
 
     def vllm_path() -> Any:
@@ -103,15 +106,15 @@ def run_batch(batch: int, reps: int) -> dict[str, Any]:
         gumbel_sample(filtered, slots, temperature, seeds, pos, apply_temperature=False)
         return compact_support(filtered, width)
 
-    verify_candidates(logits, candidates(True)(), min(batch, VERIFY_ROWS))
-    with_torch_topk = lambda: torch.topk(logits.clone(), TOP_K, dim=1)  # noqa: E731
+    verify_candidates(logits, candidates(True)(), min(batch, VERIFY_ROWS), top_k)
+    with_torch_topk = lambda: torch.topk(logits.clone(), top_k, dim=1)  # noqa: E731
     paths: dict[str, Callable[[], Any]] = {
         "clone": logits.clone,
         "vllm_topk_topp+compaction": vllm_path,
         "candidates": candidates(False),
         "candidates+processed": candidates(True),
         "torch.topk": with_torch_topk,
-        "top_candidates": lambda: top_candidates(logits.clone(), TOP_K),
+        "top_candidates": lambda: top_candidates(logits.clone(), top_k),
     }
     try:
         import flashinfer  # noqa: F401
@@ -126,8 +129,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     import torch
 
     args = parse_args(argv)
-    results = [run_batch(int(b), args.reps) for b in args.batch_sizes.split(",")]
-    report = {"vocab": VOCAB, "top_k": TOP_K, "top_p": TOP_P, "reps": args.reps,
+    results = [run_batch(int(b), args.reps, args.top_k) for b in args.batch_sizes.split(",")]
+    report = {"vocab": VOCAB, "top_k": args.top_k, "top_p": TOP_P, "reps": args.reps,
               "device": torch.cuda.get_device_name(), "results": results}
     names = [n for n in results[0] if n != "batch"]
     print("| B | " + " | ".join(f"{n} loop/host us" for n in names) + " |")

@@ -57,7 +57,7 @@
 #   layouts_throughput  on `nvidia-h200-x2`: stock / on throughput with TP=2 and PP=2, eager
 #                                                                                  (<= 9.5 min)
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
-#   paths     step costs of the sampling paths                                      (~1 min)
+#   paths     step costs of the sampling paths, top_k 50 and 1024                   (~2 min)
 #
 # Each step writes <step>.json and <step>.log under $OUT (default bench_out/) and runs under its
 # own time limit; a step that fails is reported and the next one runs. The exit status is the
@@ -265,6 +265,8 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
     ;;
   paths)
     bench bench_sampler_paths sampler_paths 60
+    # top_k 1024, the widest a step samples with the candidate sampler (opted-out steps too)
+    bench bench_sampler_paths sampler_paths_top_k_1024 90 --top-k 1024
     ;;
   *)
     echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|control|logprobs|http|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile|paths" >&2
