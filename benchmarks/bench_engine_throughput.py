@@ -57,10 +57,11 @@ a time limit keeps the rounds it finished.
 ``--same-process-optout`` removes that per-process draw from the mask engine's own cost: the
 ``on`` engine also runs every round with all its requests opted out (``on_optout``: the same
 sampler, nothing captured or copied and vLLM's own outputs on every step, as in ``optout``),
-right before or after its masked round (the order flips every round), in the same process. ``paired_ratios["on/on_optout"]`` is then
-what the masks cost the requests that ask for them, free of which process drew which speed;
-``on_optout/stock`` (with ``stock`` interleaved) is what a mask engine costs requests that
-don't ask, with the per-process draw in it. Works with or without ``--interleave``.
+right before or after its masked round (the order flips every round), in the same process.
+``paired_ratios["on/on_optout"]`` is then what the masks cost the requests that ask for them,
+free of which process drew which speed; ``on_optout/stock`` (with ``stock`` interleaved) is
+what a mask engine costs requests that don't ask, with the per-process draw in it. Works with
+or without ``--interleave``.
 """
 
 from __future__ import annotations
@@ -226,6 +227,7 @@ def make_prompts(batch: int, round_index: int, prompt_len: int, vocab: int,
 
 
 NOT_CHECKED = {"ok": None, "rows": 0, "problems": []}
+"""``mask_check`` of a checkpoint taken before the generation's last round (the one checked)."""
 
 
 @contextlib.contextmanager
@@ -257,7 +259,6 @@ def median_step_seconds(stamps: Sequence[float]) -> float | None:
     move, unlike the round's tokens / wall time."""
     intervals = [b - a for a, b in zip(stamps, stamps[1:])]
     return statistics.median(intervals) if intervals else None
-"""``mask_check`` of a checkpoint taken before the generation's last round (the one checked)."""
 
 
 def check_masks(outputs: list[Any], on: bool) -> dict[str, Any]:
