@@ -264,9 +264,11 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
       --batch-sizes 256 --reps 4 --cprofile 40
     ;;
   paths)
-    bench bench_sampler_paths sampler_paths 60
+    # GPU only (no --small smoke): `step`, not `bench`, so SMALL=1 does not pass --small
+    step sampler_paths 60 python3 benchmarks/bench_sampler_paths.py --out "$out/sampler_paths.json"
     # top_k 1024, the widest a step samples with the candidate sampler (opted-out steps too)
-    bench bench_sampler_paths sampler_paths_top_k_1024 90 --top-k 1024
+    step sampler_paths_top_k_1024 90 python3 benchmarks/bench_sampler_paths.py --top-k 1024 \
+      --out "$out/sampler_paths_top_k_1024.json"
     ;;
   *)
     echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|control|logprobs|http|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile|paths" >&2
