@@ -33,10 +33,10 @@
 #             at every batch size with the `off` control beside them, 8 rounds per set of
 #             processes; every round also has its median engine step (pool both metrics,
 #             `pool_paired_rounds.py --metric median_step_tokens_per_s`)         (~9.5 min)
-#   logprobs  stock / on (+ on_optout) with logprobs=1, the same way, 4 rounds       (~5 min)
-#             (one set of engine processes per call: four engines take ~6 min to start and
-#             run 4 rounds, so --generations 2 does not fit a call; pool the calls' JSON
-#             with pool_paired_rounds.py, each call a cluster)
+#   logprobs [B]  stock / on (+ on_optout) with logprobs=1, the same way, 4 rounds   (~5 min)
+#             (one set of engine processes per call at B=1/64/256; pool the calls' JSON with
+#             pool_paired_rounds.py, each call a cluster); with B (e.g. 256) that batch size
+#             alone, 3 generations of 4 rounds: three clusters per call          (~6-9 min)
 #   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled       (~7 min)
 #   v1        the V1-runner GPU tests, ngram speculative decoding included           (~5 min)
 #   spec      EAGLE speculative decoding on Model Runner V2, the GPU test
@@ -194,8 +194,9 @@ case "${1:-}" in
       --interleave --pin 5 "${compiled[@]}" --generations 2 --reps 8 ${2:+--batch-sizes "$2"}
     ;;
   logprobs)
-    bench bench_engine_throughput engine_logprobs 330 --configs stock,on --same-process-optout \
-      --interleave --pin 5 "${compiled[@]}" --reps 4 --logprobs 1
+    bench bench_engine_throughput engine_logprobs $([ -n "${2:-}" ] && echo 560 || echo 330) \
+      --configs stock,on --same-process-optout --interleave --pin 5 "${compiled[@]}" --reps 4 \
+      --logprobs 1 ${2:+--batch-sizes "$2" --generations 3}
     ;;
   http)
     bench bench_host_overhead host_overhead 60 --pin-fastest
@@ -271,7 +272,7 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
       --out "$out/sampler_paths_top_k_1024.json"
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|control|logprobs|http|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|control|rounds [B]|logprobs [B]|http|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile|paths" >&2
     exit 2
     ;;
 esac
