@@ -62,6 +62,15 @@ right before or after its masked round (the order flips every round), in the sam
 free of which process drew which speed; ``on_optout/stock`` (with ``stock`` interleaved) is
 what a mask engine costs requests that don't ask, with the per-process draw in it. Works with
 or without ``--interleave``.
+
+``--same-process-stock-sampler`` adds a third mode to the ``on`` engine's rounds,
+``on_stock_sampler``: every request opted out *and* every step sampled by vLLM's own sampler
+(FlashInfer), as stock samples; between rounds the benchmark switches the worker's sampler with
+``LLM.collective_rpc`` (so ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` is set for every engine of
+the run). ``on/on_stock_sampler`` and ``on_optout/on_stock_sampler`` are then the mask engine
+against stock's sampling path within one process: no per-process draw, only the plugin's
+wrappers (vLLM's own code, measured against stock as ``off``) beside stock's work. Not with
+``--logprobs``: a mask engine returns processed logprobs, for which vLLM turns FlashInfer off.
 """
 
 from __future__ import annotations
@@ -88,6 +97,9 @@ from thread_load import busiest_threads, process_tree_threads, thread_cpu_times
 CONFIG_ORDER = ("stock", "off", "on", "optout")
 # The opted-out rounds that an ``on`` engine runs beside its own (``--same-process-optout``).
 SAME_PROCESS_OPTOUT = "on_optout"
+# Its rounds with every request opted out and vLLM's own sampler (``--same-process-stock-sampler``).
+SAME_PROCESS_STOCK_SAMPLER = "on_stock_sampler"
+OPTED_OUT_MODES = ("optout", SAME_PROCESS_OPTOUT, SAME_PROCESS_STOCK_SAMPLER)
 DEFAULT_MODEL = "/root/models/qwen3-0.6b"
 SMALL_MODEL_DIR = Path(tempfile.gettempdir()) / "vllm_sampling_mask_bench" / "tiny_model"
 FULL = dict(batch_sizes=[1, 64, 256], output_len=256, prompt_len=128, reps=3, warmup_len=16)
@@ -131,6 +143,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="The on engine also runs every round with all requests opted out "
                         f"({SAME_PROCESS_OPTOUT}), alternating with its own: the pair shares "
                         "one engine process.")
+    parser.add_argument("--same-process-stock-sampler", action="store_true",
+                        help="The on engine also runs every round with all requests opted out "
+                        f"and vLLM's own sampler ({SAME_PROCESS_STOCK_SAMPLER}): stock's "
+                        "sampling path in the mask engine's process.")
     parser.add_argument("--isolate", action="store_true", help="One subprocess per engine.")
     parser.add_argument("--interleave", action="store_true",
                         help="Keep every engine alive side by side (each in a subprocess) and "
@@ -162,6 +178,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--pin N needs --interleave and N >= 3")
     if args.generations < 1 or (args.generations > 1 and not args.interleave):
         parser.error("--generations G needs --interleave and G >= 1")
+    if args.same_process_stock_sampler and args.logprobs is not None:
+        parser.error("--same-process-stock-sampler: not with --logprobs (vLLM does not sample "
+                     "processed logprobs with FlashInfer, so it would not be stock's path)")
     return args
 
 
@@ -302,8 +321,13 @@ class EngineUnderTest:
 
         self.name, self.args = name, args
         # getattr: profile_engine_step builds engines from arguments of its own, without it
-        self.modes = [name, SAME_PROCESS_OPTOUT] if (
-            name == "on" and getattr(args, "same_process_optout", False)) else [name]
+        self.modes = [name]
+        if name == "on":
+            for mode, flag in ((SAME_PROCESS_OPTOUT, "same_process_optout"),
+                               (SAME_PROCESS_STOCK_SAMPLER, "same_process_stock_sampler")):
+                if getattr(args, flag, False):
+                    self.modes.append(mode)
+        self.stock_sampler = False  # the worker's sampler as switched by enter_mode
         kwargs: dict[str, Any] = dict(
             model=model, enforce_eager=args.enforce_eager, dtype=args.dtype, seed=0,
             max_model_len=args.prompt_len + args.output_len + 16,
@@ -330,13 +354,35 @@ class EngineUnderTest:
         from vllm import SamplingParams
 
         a = self.args
-        opt_out = (mode or self.name) in ("optout", SAME_PROCESS_OPTOUT)
+        opt_out = (mode or self.name) in OPTED_OUT_MODES
         return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                               max_tokens=max_tokens, ignore_eos=True, logprobs=a.logprobs,
                               extra_args={"return_sampling_mask": False} if opt_out else None)
 
+    def enter_mode(self, mode: str) -> None:
+        """Switch the worker's sampler to vLLM's own for ``on_stock_sampler`` rounds and back.
+
+        The candidate sampler takes a step whose top_k are all <= the capture's width cap; a
+        cap of 0 sends every step to vLLM's sampler, which uses FlashInfer when no request of
+        the step wants masks (``worker/sampler.py``). Only opted-out requests run meanwhile.
+        """
+        stock_sampler = mode == SAME_PROCESS_STOCK_SAMPLER
+        if stock_sampler == self.stock_sampler:
+            return
+
+        def switch(worker: Any, to_stock: bool) -> int:
+            capture = worker.model_runner.sampler.sampling_mask_capture
+            if "bench_max_width" not in capture.__dict__:
+                capture.bench_max_width = capture.max_width
+            capture.max_width = 0 if to_stock else capture.bench_max_width
+            return capture.max_width
+
+        self.llm.collective_rpc(switch, args=(stock_sampler,))
+        self.stock_sampler = stock_sampler
+
     def warm_up(self) -> None:
         for mode in self.modes:
+            self.enter_mode(mode)
             for b in self.args.batch_sizes:  # round -1: prompts no timed round uses
                 self.llm.generate(make_prompts(b, -1, self.args.prompt_len, self.vocab),
                                   self.params(self.args.warmup_len, mode), use_tqdm=False)
@@ -348,6 +394,7 @@ class EngineUnderTest:
     def run_mode_round(self, mode: str, batch: int, round_index: int) -> None:
         prompts = make_prompts(batch, round_index, self.args.prompt_len, self.vocab,
                                variant=self.modes.index(mode))
+        self.enter_mode(mode)
         cpu_before = thread_cpu_times(os.getpid())
         with engine_step_times(self.llm) as stamps:
             t0 = time.perf_counter()
@@ -677,6 +724,10 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     setup_environment(args.small)
+    if args.same_process_stock_sampler:
+        # collective_rpc sends a function (EngineUnderTest.enter_mode); set for every engine
+        # of the run (inherited by the subprocesses), so all run under the same settings.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     model = args.model or (small_model() if args.small else DEFAULT_MODEL)
 
     if args.worker_config and args.worker_serve:  # child of EngineProcess
@@ -786,7 +837,9 @@ def ratios(results: dict[str, dict], batch_sizes: list[int],
     out: dict[str, dict[str, float]] = {}
     for num, den in (("on", "off"), ("off", "stock"), ("on", "stock"), ("optout", "off"),
                      ("optout", "stock"), ("on", SAME_PROCESS_OPTOUT),
-                     (SAME_PROCESS_OPTOUT, "stock")):
+                     (SAME_PROCESS_OPTOUT, "stock"), ("on", SAME_PROCESS_STOCK_SAMPLER),
+                     (SAME_PROCESS_OPTOUT, SAME_PROCESS_STOCK_SAMPLER),
+                     (SAME_PROCESS_STOCK_SAMPLER, "stock")):
         if num in results and den in results:
             out[f"{num}/{den}"] = {str(b): tps(num, b) / tps(den, b) for b in batch_sizes}
     return out
@@ -796,7 +849,8 @@ def paired_ratios(results: dict[str, dict],
                   metric: str = "tokens_per_s") -> dict[str, dict[str, Any]]:
     """``{"on/stock": {B: {"median", "min", "max", "rounds", "by_generation", "interval"}},
     ...}``: round r of each engine over round r of the baseline (stock, else off), which ran
-    next to it in time, and ``on/on_optout`` (the two modes of one process); the median pair
+    next to it in time, and ``on/on_optout``, ``on/on_stock_sampler`` and
+    ``on_optout/on_stock_sampler`` (the modes of one process); the median pair
     of each generation, and the 95% interval of the median from resampling generations (None
     with one generation)."""
     from pool_paired_rounds import paired_log_ratios, summarize
@@ -805,6 +859,9 @@ def paired_ratios(results: dict[str, dict],
     comparisons = [(name, base) for name in results if base is not None and name != base]
     if "on" in results and SAME_PROCESS_OPTOUT in results:
         comparisons.append(("on", SAME_PROCESS_OPTOUT))
+    if SAME_PROCESS_STOCK_SAMPLER in results:
+        comparisons += [(name, SAME_PROCESS_STOCK_SAMPLER) for name in ("on", SAME_PROCESS_OPTOUT)
+                        if name in results]
     out: dict[str, dict[str, Any]] = {}
     for name, baseline in comparisons:
         by_batch = {}

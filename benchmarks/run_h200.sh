@@ -28,11 +28,13 @@
 #             then stock / off / on (+ on_optout) at B=256 in fresh processes, 2 rounds per
 #             generation: off/stock's spread across generations against on/on_optout's
 #             (`pool_paired_rounds.py` prints both as cluster_spread)             (~9.5 min)
-#   rounds [B]  stock / off / on (+ on_optout) at B=1, 64 and 256 (or B alone, e.g. 256),
-#             2 generations of 8 rounds (a call's limit cuts the second): issue 11's ratios
-#             at every batch size with the `off` control beside them, 8 rounds per set of
-#             processes; every round also has its median engine step (pool both metrics,
-#             `pool_paired_rounds.py --metric median_step_tokens_per_s`)         (~9.5 min)
+#   rounds [B]  stock / off / on (+ on_optout, + on_stock_sampler: the on engine's opted-out
+#             rounds on vLLM's own FlashInfer sampler) at B=1, 64 and 256 (or B alone, e.g.
+#             256), 2 generations of 8 rounds (a call's limit cuts the second): issue 11's
+#             ratios at every batch size with the `off` control beside them, and the mask
+#             engine against stock's sampling path within one process (`pool_paired_rounds.py
+#             --baseline on_stock_sampler --configs on,on_optout`); every round also has its
+#             median engine step (`--metric median_step_tokens_per_s`)            (~9.5 min)
 #   logprobs [B]  stock / on (+ on_optout) with logprobs=1, the same way, 4 rounds   (~5 min)
 #             (one set of engine processes per call at B=1/64/256; pool the calls' JSON with
 #             pool_paired_rounds.py, each call a cluster); with B (e.g. 256) that batch size
@@ -191,7 +193,7 @@ case "${1:-}" in
     ;;
   rounds)
     bench bench_engine_throughput engine_rounds 560 --configs stock,off,on --same-process-optout \
-      --interleave --pin 5 "${compiled[@]}" --generations 2 --reps 8 ${2:+--batch-sizes "$2"}
+      --same-process-stock-sampler --interleave --pin 5 "${compiled[@]}" --generations 2 --reps 8 ${2:+--batch-sizes "$2"}
     ;;
   logprobs)
     bench bench_engine_throughput engine_logprobs $([ -n "${2:-}" ] && echo 560 || echo 330) \

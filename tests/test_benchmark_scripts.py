@@ -198,6 +198,31 @@ def test_engine_throughput_pairs_the_on_engine_with_its_own_opted_out_rounds() -
     assert list(sequential) == [f"on/{SAME_PROCESS_OPTOUT}"]
 
 
+def test_engine_throughput_pairs_both_modes_with_the_stock_sampler_rounds() -> None:
+    # --same-process-stock-sampler: on and on_optout each pair with the same process's rounds on
+    # vLLM's own sampler; the mode is refused with --logprobs (not stock's path there).
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_engine_throughput import (
+        SAME_PROCESS_OPTOUT,
+        SAME_PROCESS_STOCK_SAMPLER,
+        paired_ratios,
+        parse_args,
+    )
+
+    def result(values: list[float]) -> dict:
+        return {"interleaved": True, "by_batch": {"1": {
+            "rounds": [{"tokens_per_s": v} for v in values]}}}
+
+    pairs = paired_ratios({"on": result([95, 190]), SAME_PROCESS_OPTOUT: result([98, 196]),
+                           SAME_PROCESS_STOCK_SAMPLER: result([100, 200])})
+    assert pairs[f"on/{SAME_PROCESS_STOCK_SAMPLER}"]["1"]["median"] == pytest.approx(0.95)
+    assert pairs[f"{SAME_PROCESS_OPTOUT}/{SAME_PROCESS_STOCK_SAMPLER}"]["1"]["median"] == (
+        pytest.approx(0.98))
+    assert pairs[f"on/{SAME_PROCESS_OPTOUT}"]["1"]["median"] == pytest.approx(95 / 98)
+    with pytest.raises(SystemExit):
+        parse_args(["--same-process-stock-sampler", "--logprobs", "1"])
+
+
 def test_engine_throughput_checkpoints_every_round_but_a_generations_last(monkeypatch) -> None:
     # A run cut by its time limit on the GPU machine must keep the rounds it finished: each
     # interleaved round but the generation's last is handed to the checkpoint, unchecked masks
