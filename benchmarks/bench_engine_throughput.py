@@ -371,7 +371,11 @@ class EngineUnderTest:
             return
 
         def switch(worker: Any, to_stock: bool) -> int:
-            capture = worker.model_runner.sampler.sampling_mask_capture
+            sampler = getattr(worker.model_runner, "sampler", None)
+            capture = getattr(sampler, "sampling_mask_capture", None)
+            if capture is None:
+                raise RuntimeError("--same-process-stock-sampler needs a mask engine on Model "
+                                   "Runner V2 (its sampler carries the capture)")
             if "bench_max_width" not in capture.__dict__:
                 capture.bench_max_width = capture.max_width
             capture.max_width = 0 if to_stock else capture.bench_max_width
