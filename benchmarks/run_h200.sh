@@ -30,7 +30,8 @@
 #             (`pool_paired_rounds.py` prints both as cluster_spread)             (~9.5 min)
 #   rounds [B]  stock / off / on (+ on_optout, + on_stock_sampler: the on engine's opted-out
 #             rounds on vLLM's own FlashInfer sampler) at B=1, 64 and 256 (or B alone, e.g.
-#             256), 2 generations of 8 rounds (a call's limit cuts the second): issue 11's
+#             256), 2 generations of 6 rounds (a fresh machine's first engine starts compile,
+#             ~3 min, and both generations must fit the call): issue 11's
 #             ratios at every batch size with the `off` control beside them, and the mask
 #             engine against stock's sampling path within one process (`pool_paired_rounds.py
 #             --baseline on_stock_sampler --configs on,on_optout`); every round also has its
@@ -193,7 +194,8 @@ case "${1:-}" in
     ;;
   rounds)
     bench bench_engine_throughput engine_rounds 560 --configs stock,off,on --same-process-optout \
-      --same-process-stock-sampler --interleave --pin 5 "${compiled[@]}" --generations 2 --reps 8 ${2:+--batch-sizes "$2"}
+      --same-process-stock-sampler --interleave --pin 5 "${compiled[@]}" --generations 2 --reps 6 \
+      ${2:+--batch-sizes "$2"}
     ;;
   logprobs)
     bench bench_engine_throughput engine_logprobs $([ -n "${2:-}" ] && echo 560 || echo 330) \
