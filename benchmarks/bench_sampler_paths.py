@@ -7,9 +7,14 @@ For each batch B (vocabulary V = 151936, fp32 processed logits, ``top_k`` ``--to
 - ``vllm_topk_topp+compaction``: the mask engine before the candidate sampler: vLLM's
   ``apply_top_k_top_p`` (Triton for B >= 8, the PyTorch sort below), its ``gumbel_sample`` and
   ``compact_support``;
-- ``candidates``: ``sample_from_candidates`` without / with the processed logits (the latter is
-  what a step pays when a request asks for logprobs); ``top_candidates`` (its first launch: on
-  CUDA FlashInfer's radix top-k) and ``torch.topk`` alone.
+- ``candidates``: ``sample_from_candidates``; ``top_candidates`` (its first launch: on CUDA
+  FlashInfer's radix top-k) and ``torch.topk`` alone;
+- with ``logprobs=1`` (``--logprobs``): ``stock_flashinfer+raw_logprobs`` (stock's step: the
+  sample, then vLLM's ``compute_topk_scores`` over the unmodified logits, which stock copies
+  for that, as every path here does), ``candidates+logprobs`` (the kernel's own processed
+  logprobs: a mask engine's step) and ``candidates+processed+vllm_logprobs`` (the ``-inf``-filled
+  processed logits and vLLM's ``compute_topk_scores`` over them: a step with
+  ``logprob_token_ids``, and every logprobs step before the kernel computed them).
 
 Every path starts from a copy of the logits (vLLM's filters work in place), timed alone as
 ``clone``. Per path: ``loop_us``, back-to-back calls timed by CUDA events (max of host and device
@@ -42,6 +47,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=50,
                         help="Every row's top_k, <= MAX_CANDIDATES (1024): up to there a step "
                         "samples with the candidate sampler, masks wanted or not.")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="Also time the paths of a step that returns logprobs=1.")
     return parser.parse_args(argv)
 
 
@@ -76,11 +83,12 @@ def verify_candidates(logits: Any, result: Any, rows: int, top_k: int) -> None:
             raise AssertionError(f"sampled token {token} not in its row {row}")
 
 
-def run_batch(batch: int, reps: int, top_k: int) -> dict[str, Any]:
+def run_batch(batch: int, reps: int, top_k: int, logprobs: bool) -> dict[str, Any]:
     import torch
 
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, flashinfer_sample
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
 
     from vllm_sampling_mask.worker.candidate_sampler import sample_from_candidates, top_candidates
     from vllm_sampling_mask.worker.compaction import compact_support
@@ -97,9 +105,18 @@ def run_batch(batch: int, reps: int, top_k: int) -> dict[str, Any]:
     pos = torch.full((batch,), 100, dtype=torch.int64, device=device)
     width = top_k + tie_slack(top_k)
 
-    def candidates(write_processed: bool) -> Callable[[], Any]:
+    def candidates(write_processed: bool, num_logprobs: int | None = None) -> Callable[[], Any]:
         return lambda: sample_from_candidates(logits.clone(), top_k, slots, k, p, temperature,
-                                              seeds, pos, write_processed)
+                                              seeds, pos, write_processed, num_logprobs)
+
+    def candidates_vllm_logprobs() -> Any:
+        result = sample_from_candidates(logits.clone(), top_k, slots, k, p, temperature, seeds,
+                                        pos, write_processed=True)
+        return compute_topk_scores(result.processed, 1, result.sampled)
+
+    def stock_raw_logprobs() -> Any:
+        sampled = flashinfer_sample(logits.clone(), k, p).to(torch.int64)
+        return compute_topk_scores(logits, 1, sampled)
 
     def vllm_path() -> Any:
         filtered = apply_top_k_top_p(logits.clone(), k, p)
@@ -112,14 +129,18 @@ def run_batch(batch: int, reps: int, top_k: int) -> dict[str, Any]:
         "clone": logits.clone,
         "vllm_topk_topp+compaction": vllm_path,
         "candidates": candidates(False),
-        "candidates+processed": candidates(True),
         "torch.topk": with_torch_topk,
         "top_candidates": lambda: top_candidates(logits.clone(), top_k),
     }
+    if logprobs:
+        paths["candidates+logprobs"] = candidates(False, 1)
+        paths["candidates+processed+vllm_logprobs"] = candidates_vllm_logprobs
     try:
         import flashinfer  # noqa: F401
 
         paths["stock_flashinfer"] = lambda: flashinfer_sample(logits.clone(), k, p)
+        if logprobs:
+            paths["stock_flashinfer+raw_logprobs"] = stock_raw_logprobs
     except ImportError:
         pass
     return {"batch": batch, **{name: time_path(fn, reps) for name, fn in paths.items()}}
@@ -129,8 +150,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     import torch
 
     args = parse_args(argv)
-    results = [run_batch(int(b), args.reps, args.top_k) for b in args.batch_sizes.split(",")]
+    results = [run_batch(int(b), args.reps, args.top_k, args.logprobs)
+               for b in args.batch_sizes.split(",")]
     report = {"vocab": VOCAB, "top_k": args.top_k, "top_p": TOP_P, "reps": args.reps,
+              "logprobs": args.logprobs,
               "device": torch.cuda.get_device_name(), "results": results}
     names = [n for n in results[0] if n != "batch"]
     print("| B | " + " | ".join(f"{n} loop/host us" for n in names) + " |")

@@ -60,7 +60,7 @@
 #   layouts_throughput  on `nvidia-h200-x2`: stock / on throughput with TP=2 and PP=2, eager
 #                                                                                  (<= 9.5 min)
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
-#   paths     step costs of the sampling paths, top_k 50 and 1024                   (~2 min)
+#   paths     step costs of the sampling paths, top_k 50 (with logprobs) and 1024 (~2 min)
 #
 # Each step writes <step>.json and <step>.log under $OUT (default bench_out/) and runs under its
 # own time limit; a step that fails is reported and the next one runs. The exit status is the
@@ -270,7 +270,8 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
     ;;
   paths)
     # GPU only (no --small smoke): `step`, not `bench`, so SMALL=1 does not pass --small
-    step sampler_paths 60 python3 benchmarks/bench_sampler_paths.py --out "$out/sampler_paths.json"
+    step sampler_paths 90 python3 benchmarks/bench_sampler_paths.py --logprobs \
+      --out "$out/sampler_paths.json"
     # top_k 1024, the widest a step samples with the candidate sampler (opted-out steps too)
     step sampler_paths_top_k_1024 90 python3 benchmarks/bench_sampler_paths.py --top-k 1024 \
       --out "$out/sampler_paths_top_k_1024.json"

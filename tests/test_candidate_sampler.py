@@ -30,8 +30,8 @@ def by_slot(values: list, dtype: torch.dtype, device: torch.device | str) -> tor
 
 def run(logits: torch.Tensor, top_k: list[int], top_p: list[float], *,
         seeds: list[int] | None = None, temperature: list[float] | None = None,
-        pos: list[int] | None = None,
-        num_candidates: int | None = None, write_processed: bool = True):
+        pos: list[int] | None = None, num_candidates: int | None = None,
+        write_processed: bool = True, num_logprobs: int | None = None):
     """``sample_from_candidates`` with the rows' values laid out by ``row_slots``."""
     device = logits.device
     rows = logits.shape[0]
@@ -40,7 +40,8 @@ def run(logits: torch.Tensor, top_k: list[int], top_p: list[float], *,
         by_slot(top_k, torch.int32, device), by_slot(top_p, torch.float32, device),
         by_slot(temperature or [1.0] * rows, torch.float32, device),
         by_slot(seeds or list(range(rows)), torch.int64, device),
-        torch.tensor(pos or [7] * rows, dtype=torch.int64, device=device), write_processed)
+        torch.tensor(pos or [7] * rows, dtype=torch.int64, device=device), write_processed,
+        num_logprobs)
 
 
 def rows_of(packed: torch.Tensor) -> list[list[int]]:
@@ -145,6 +146,58 @@ def test_seeded_rows_sample_what_vllms_gumbel_path_samples(device: str, dtype: t
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_logprobs", [0, 1, 5, 30])
+def test_logprobs_match_vllms_over_the_processed_logits(
+    device: str, dtype: torch.dtype, num_logprobs: int
+) -> None:
+    # The logprobs the kernel computes over the kept ids are what vLLM's compute_topk_scores
+    # computes from the -inf-filled processed logits the same call writes: the sampled token's
+    # logprob and rank, and the top-n logprobs; their ids too wherever the value is finite (past
+    # a row's kept ids vLLM's topk picks any -inf id, the kernel the next dropped candidates).
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
+    gen = torch.Generator().manual_seed(num_logprobs)
+    vocab = 300
+    logits = torch.stack([torch.randperm(vocab, generator=gen).float() / 8 - 20
+                          for _ in range(8)])
+    logits[1, ::2] = float("-inf")  # fewer finite ids than top_k
+    logits[2, 7] = float("nan")
+    logits[3, :] = float("-inf")  # keeps nothing: vLLM's NaN logprobs, rank V
+    logits[4, 9] = logits[4].max() + 1  # greedy below: takes a +inf id outside its row
+    logits[4, 9] = float("inf")
+    logits = logits.to(dtype).to(device)
+    top_k = [5, 40, 1, 30, 17, 30, 30, 25]
+    top_p = [1.0, 0.9, 0.5, 1.0, 0.3, 0.999, 0.2, 1.0]
+    temperature = [1.0] * 4 + [0.0] + [1.0] * 3
+    got = run(logits, top_k, top_p, temperature=temperature,
+              num_candidates=max(max(top_k), num_logprobs), num_logprobs=num_logprobs)
+    # (fp32: exact for bf16, whose rows vLLM's kernels also compute in fp32; its rank kernel
+    # miscounts bf16 rows under the Triton interpreter.)
+    expected = compute_topk_scores(got.processed.float(), num_logprobs, got.sampled)
+    assert got.logprob_ids.shape == got.logprobs.shape == (8, 1 + num_logprobs)
+    assert got.logprob_ids.dtype == torch.int64 and got.logprobs.dtype == torch.float32
+    # A sampled id outside its row (rows 2-4: it keeps nothing, or greedy took +inf) is -inf in
+    # the processed logits: its rank is V here; vLLM's rank kernel also counts its padding past
+    # V there (a multiple of its 8192-wide block).
+    outside = [2, 3, 4]
+    inside = [r for r in range(8) if r not in outside]
+    assert torch.equal(got.ranks.cpu()[inside], expected.selected_token_ranks.cpu()[inside])
+    assert got.ranks[outside].tolist() == [vocab] * 3
+    assert (expected.selected_token_ranks[outside] >= vocab).all()
+    assert torch.allclose(got.logprobs.cpu(), expected.logprobs.cpu(), rtol=0, atol=1e-5,
+                          equal_nan=True)
+    finite = torch.isfinite(expected.logprobs.cpu())
+    assert torch.equal(got.logprob_ids.cpu()[finite], expected.logprob_token_ids.cpu()[finite])
+    assert got.logprob_ids[:, 0].tolist() == got.sampled.tolist()
+    # Where a row keeps fewer ids than n, the columns past them name dropped candidates, once.
+    for r, row in enumerate(rows_of(got.packed)):
+        ids = got.logprob_ids[r, 1:].tolist()
+        assert ids[: len(row)] == sorted(row, key=lambda i: -float(logits[r, i]))[: len(ids)]
+        assert len(set(ids)) == len(ids) and not set(ids[len(row):]) & set(row)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_candidate_count_bounds(device: str) -> None:
     logits = torch.randn(2, 100, device=device)
     with pytest.raises(ValueError, match="num_candidates"):
@@ -152,8 +205,10 @@ def test_candidate_count_bounds(device: str) -> None:
     with pytest.raises(ValueError, match="num_candidates"):
         run(torch.randn(1, MAX_CANDIDATES + 10, device=device), [5], [1.0],
             num_candidates=MAX_CANDIDATES + 1)
-    empty = run(logits[:0], [5], [1.0], num_candidates=5)
-    assert empty.packed.shape == (0, 6)
+    with pytest.raises(ValueError, match="num_logprobs"):
+        run(logits, [5, 5], [1.0, 1.0], num_logprobs=6)
+    empty = run(logits[:0], [5], [1.0], num_candidates=5, num_logprobs=2)
+    assert empty.packed.shape == (0, 6) and empty.logprobs.shape == (0, 3)
 
 
 @pytest.mark.gpu

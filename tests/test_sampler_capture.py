@@ -13,6 +13,7 @@ from vllm_sampling_mask.worker.sampler import (
     SamplingMaskCapture,
     attach_capture,
     wrap_add_request,
+    wrap_compute_topk_scores,
     wrap_rejection_sample,
     wrap_rejection_sampler_call,
     wrap_sample,
@@ -34,15 +35,22 @@ def slot_array(values: np.ndarray) -> SimpleNamespace:
 
 
 def fake_sampler(vocab_size: int, max_num_reqs: int = 8) -> SimpleNamespace:
-    """Sampling states by request slot (no top_k / top_p, temperature 1) and vLLM's transforms
-    up to min-p as the identity."""
+    """Sampling states by request slot (no top_k / top_p, temperature 1, no logprobs) and
+    vLLM's transforms up to min-p as the identity."""
+    num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # vLLM's NO_LOGPROBS
+    num_token_ids = np.zeros(max_num_reqs, dtype=np.int32)  # logprob_token_ids per slot
     states = SimpleNamespace(
         vocab_size=vocab_size, max_num_reqs=max_num_reqs,
         top_k=slot_array(np.full(max_num_reqs, vocab_size, dtype=np.int32)),
         top_p=slot_array(np.ones(max_num_reqs, dtype=np.float32)),
         temperature=slot_array(np.ones(max_num_reqs, dtype=np.float32)),
-        seeds=slot_array(np.arange(max_num_reqs, dtype=np.int64)))
+        seeds=slot_array(np.arange(max_num_reqs, dtype=np.int64)),
+        num_logprobs=num_logprobs,
+        max_num_logprobs=lambda idx: int(num_logprobs[idx].max()))
+    token_ids = SimpleNamespace(num_token_ids=num_token_ids,
+                                max_num_token_ids=lambda idx: int(num_token_ids[idx].max()))
     return SimpleNamespace(use_flashinfer=True, sampling_states=states,
+                           logprobs_mode="processed_logprobs", logprob_token_ids_state=token_ids,
                            apply_sampling_params=lambda logits, *args, **kwargs: logits)
 
 
@@ -169,7 +177,8 @@ def test_wide_candidate_steps_unpack_by_row_slices() -> None:
 def test_steps_with_small_top_k_sample_with_the_candidates() -> None:
     # Every row's top_k <= MAX_CANDIDATES: vLLM's top-k/top-p path is not called; the rows come
     # from the candidate sampler (no bitmap), opted-out rows are sampled but not unpacked, and the
-    # processed logits are the kept ids' only when logprobs are returned.
+    # processed logits are the kept ids' only when vLLM computes the step's logprobs from them
+    # (a request asks for the logprobs of given token ids).
     vocab = 300
     sampler = fake_sampler(vocab)
     attach_capture(sampler, fake_config(True))
@@ -178,6 +187,7 @@ def test_steps_with_small_top_k_sample_with_the_candidates() -> None:
     add_request(sampler, 4, 5, SimpleNamespace(extra_args={"return_sampling_mask": False}))
     sampler.sampling_states.top_k.np[[1, 4]] = [3, 40]
     sampler.sampling_states.top_p.np[4] = 0.5
+    sampler.logprob_token_ids_state.num_token_ids[4] = 2
 
     def vllm_path(*args, **kwargs):
         raise AssertionError("vLLM's top-k/top-p path ran")
@@ -200,11 +210,73 @@ def test_steps_with_small_top_k_sample_with_the_candidates() -> None:
     assert torch.equal(unfiltered, logits)  # not read by Sampler.__call__ without logprobs
 
 
+@pytest.mark.parametrize("num_logprobs", [0, 3, 60])
+def test_candidate_steps_compute_processed_logprobs_themselves(num_logprobs: int) -> None:
+    # A candidate step that returns processed logprobs: the kernel that samples computes them
+    # (over the kept ids) and Sampler.__call__'s compute_topk_scores returns them instead of
+    # reading the processed logits, which stay unfiltered; with more top logprobs than the
+    # batch's top_k, more candidates are taken.
+    vocab = 300
+    sampler = fake_sampler(vocab)
+    attach_capture(sampler, fake_config(True))
+    sampler.sampling_states.top_k.np[[1, 4]] = [3, 40]
+    sampler.sampling_states.top_p.np[4] = 0.5
+    sampler.sampling_states.num_logprobs[[1, 4]] = [num_logprobs, 0]
+
+    def vllm_path(*args, **kwargs):
+        raise AssertionError("vLLM's path ran")
+
+    logits = torch.arange(2 * vocab, dtype=torch.float32).reshape(2, vocab) % 97 / 10
+    sampled, processed = wrap_sample(vllm_path)(
+        sampler, logits.clone(), torch.tensor([1, 4], dtype=torch.int32), np.array([1, 4]),
+        torch.tensor([10, 11]), None, None, return_logprobs=True)
+    assert torch.equal(processed, logits)
+    compute_topk_scores = wrap_compute_topk_scores(vllm_path)
+    scores = compute_topk_scores(processed, num_logprobs, sampled, [0, 1, 2])
+    assert scores.cu_num_generated_tokens == [0, 1, 2]
+    assert scores.logprob_token_ids.shape == (2, 1 + num_logprobs)
+    assert scores.logprob_token_ids[:, 0].tolist() == sampled.tolist()
+    # Row 0 keeps the three 9.6s: each logprob log(1/3), rank 3; then dropped ids at -inf.
+    assert scores.selected_token_ranks[0] == 3
+    assert abs(float(scores.logprobs[0, 0]) + np.log(3.0)) < 1e-6
+    kept = min(3, num_logprobs)
+    assert torch.isfinite(scores.logprobs[0, 1:]).sum() == kept
+    top_ids = scores.logprob_token_ids[0, 1:].tolist()
+    assert set(top_ids[:kept]) <= {96, 193, 290} and not set(top_ids[kept:]) & {96, 193, 290}
+    # Taken once: the next call (another step's tensor) is vLLM's again.
+    with pytest.raises(AssertionError, match="vLLM's path ran"):
+        compute_topk_scores(processed, num_logprobs, sampled, None)
+
+
+def test_candidate_steps_leave_other_logprobs_to_vllm() -> None:
+    # More top logprobs than the candidate sampler takes (logprobs=-1 is the vocabulary), or
+    # logprobs of given token ids: vLLM computes them from the filtered processed logits.
+    vocab = 2000
+    sampler = fake_sampler(vocab)
+    attach_capture(sampler, fake_config(True))
+    sampler.sampling_states.top_k.np[1] = 5
+    sampler.sampling_states.num_logprobs[1] = vocab
+    logits = torch.randn(1, vocab)
+    sample = wrap_sample(lambda *args, **kwargs: None)
+    calls = []
+    compute_topk_scores = wrap_compute_topk_scores(lambda *args, **kwargs: calls.append(args))
+    for state in ("many", "token_ids"):
+        if state == "token_ids":
+            sampler.sampling_states.num_logprobs[1] = 1
+            sampler.logprob_token_ids_state.num_token_ids[1] = 3
+        sampled, processed = sample(sampler, logits.clone(), torch.tensor([1], dtype=torch.int32),
+                                    np.array([1]), torch.tensor([0]), None, None,
+                                    return_logprobs=True)
+        assert torch.isfinite(processed).sum() == 5
+        compute_topk_scores(processed, 1, sampled, None)
+        assert calls.pop()[0] is processed
+
+
 @pytest.mark.parametrize("return_logprobs", [False, True])
 def test_steps_without_masks_sample_with_the_candidates_and_capture_nothing(
         return_logprobs: bool) -> None:
     # Only opted-out rows, every top_k <= MAX_CANDIDATES: the candidate sampler (vLLM's path is
-    # not called) and nothing to copy; the processed logits are the kept ids' with logprobs.
+    # not called) and nothing to copy.
     vocab = 300
     sampler = fake_sampler(vocab)
     attach_capture(sampler, fake_config(True))
@@ -223,9 +295,9 @@ def test_steps_without_masks_sample_with_the_candidates_and_capture_nothing(
                                 return_logprobs=return_logprobs)
     assert sampler.__dict__.pop("_sampling_mask_pending") is NO_MASKS_WANTED
     assert 296 <= int(sampled[0]) < 300 and 290 <= int(sampled[1]) < 300
-    if return_logprobs:
-        assert torch.isfinite(processed[0]).nonzero().flatten().tolist() == list(range(296, 300))
-        assert torch.isfinite(processed[1]).nonzero().flatten().tolist() == list(range(290, 300))
+    # Opted-out requests' logprobs are processed ones too (the engine's logprobs mode): computed
+    # by the kernel that samples, so the processed logits stay unfiltered.
+    assert torch.equal(processed, logits)
 
 
 def test_a_failing_flashinfer_top_k_falls_back_to_torch_topk(monkeypatch, caplog) -> None:

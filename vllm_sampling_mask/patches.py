@@ -108,6 +108,14 @@ PATCHES: list[Patch] = [
         process="worker",
     ),
     Patch(
+        target="vllm.v1.worker.gpu.sample.sampler:compute_topk_scores",
+        make=f"{_P}.worker.sampler:wrap_compute_topk_scores",
+        why="A candidate step's processed logprobs come from the kernel that samples it (a "
+        "log-softmax over the kept ids); Sampler.__call__ calls this by its module name: "
+        "return those instead of passes over the [R, V] logits.",
+        process="worker",
+    ),
+    Patch(
         target="vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
         make=f"{_P}.worker.sampler:wrap_rejection_sampler_call",
         why="Speculative decoding: a step with draft tokens is sampled here, not by Sampler: "

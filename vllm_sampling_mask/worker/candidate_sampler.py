@@ -12,13 +12,15 @@ instead of in vLLM's top-k/top-p + Gumbel path followed by the ``[R, V]`` compac
 2. one Triton program per row keeps the first ``top_k`` finite candidates, then the top-p prefix
    of those (top-k first, then top-p over the renormalised top-k, vLLM's order), samples one of
    the kept ids with Gumbel noise seeded by the request's seed and position, sorts the kept ids
-   ascending into the row's ``packed`` mask and, when logprobs are returned, writes their logits
-   into a ``-inf`` processed-logits tensor.
+   ascending into the row's ``packed`` mask and, when logprobs are returned, either computes
+   them itself (processed logprobs: the log-softmax over the kept ids, which vLLM would compute
+   from a ``-inf``-filled ``[R, V]`` tensor) or writes the kept logits into such a tensor for
+   vLLM (the logprobs of given token ids, or more top logprobs than candidates).
 
 So the sampled token is drawn from exactly the ids written to its row, whatever the top-k does
-with ties (it keeps exactly ``K``); a step costs the top-k, one kernel and, with logprobs, the
-processed-logits fill; the mask is ``[R, 1 + K]`` int32 with no bitmap; and the work after the
-top-k touches ``K`` ids per row instead of the vocabulary.
+with ties (it keeps exactly ``K``); a step costs the top-k and one kernel; the mask is
+``[R, 1 + K]`` int32 with no bitmap; and the work after the top-k touches ``K`` ids per row
+instead of the vocabulary.
 """
 
 from __future__ import annotations
@@ -45,11 +47,19 @@ class CandidateSample:
                ascending (slots past the count are unspecified).
     processed: ``[R, V]`` the logits' dtype, the processed logits at the kept ids and ``-inf``
                elsewhere (None unless asked for).
+    logprob_ids, logprobs, ranks: with ``num_logprobs`` ``n``, what vLLM's
+               ``compute_topk_scores`` returns for ``processed``: ``[R, 1 + n]`` int64 ids (the
+               sampled token, then the ``n`` largest kept, descending, then dropped candidates),
+               ``[R, 1 + n]`` float32 their processed logprobs (``-inf`` where dropped), ``[R]``
+               int64 the sampled token's rank (kept ids at least as likely); None otherwise.
     """
 
     sampled: torch.Tensor
     packed: torch.Tensor
-    processed: torch.Tensor | None
+    processed: torch.Tensor | None = None
+    logprob_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
 
 
 @triton.jit
@@ -76,8 +86,14 @@ def _sample_candidates_kernel(
     packed_stride,
     processed_ptr,
     processed_stride,
+    logprob_ids_ptr,
+    logprobs_ptr,
+    ranks_ptr,
+    num_logprobs,
     num_candidates,
+    vocab_size,
     WRITE_PROCESSED: tl.constexpr,
+    WRITE_LOGPROBS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -111,14 +127,42 @@ def _sample_candidates_kernel(
     noise = -tl.log(-_log1p(-u))
     best = tl.argmax(tl.where(kept, values + noise, float("-inf")), axis=0)
     best = tl.where(tl.load(temperature_ptr + req) == 0.0, 0, best)
-    tl.store(sampled_ptr + row, tl.sum(tl.where(offs == best, ids, 0), axis=0))
+    chosen = offs == best
+    sampled_id = tl.sum(tl.where(chosen, ids, 0), axis=0)
+    tl.store(sampled_ptr + row, sampled_id)
     # The row's mask: kept ids ascending.
     out = packed_ptr + row * packed_stride
-    tl.store(out, tl.sum(kept.to(tl.int32), axis=0))
+    num_kept = tl.sum(kept.to(tl.int32), axis=0)
+    tl.store(out, num_kept)
     sorted_ids = tl.sort(tl.where(kept, ids.to(tl.int32), _NO_ID))
     tl.store(out + 1 + offs, sorted_ids, mask=in_range)
     if WRITE_PROCESSED:
         tl.store(processed_ptr + row * processed_stride + ids, values, mask=kept)
+    if WRITE_LOGPROBS:
+        # vLLM's processed logprobs of the row with -inf outside the kept ids: a log-softmax over
+        # the kept ids, and the rank counts the ids at least as large as the sampled one. Where
+        # the sampled id is not kept (a greedy row whose largest logit is NaN or +inf) it is -inf
+        # there, so its rank is V; a row that keeps nothing is all -inf, which vLLM turns into
+        # NaN logprobs. So here too.
+        largest = tl.max(tl.where(kept, values, float("-inf")), axis=0)
+        log_total = tl.log(tl.sum(tl.where(kept, tl.exp(values - largest), 0.0), axis=0))
+        logprobs = tl.where(kept, values - largest - log_total, float("-inf"))
+        logprobs = tl.where(num_kept > 0, logprobs, float("nan"))
+        chosen_value = tl.sum(tl.where(chosen, values, 0.0), axis=0)
+        chosen_kept = tl.sum((chosen & kept).to(tl.int32), axis=0) > 0
+        rank = tl.sum((kept & (values >= chosen_value)).to(tl.int32), axis=0)
+        tl.store(ranks_ptr + row, tl.where(chosen_kept, rank, vocab_size).to(tl.int64))
+        ids_out = logprob_ids_ptr + row * (1 + num_logprobs)
+        logprobs_out = logprobs_ptr + row * (1 + num_logprobs)
+        tl.store(ids_out, sampled_id.to(tl.int64))
+        tl.store(logprobs_out, tl.sum(tl.where(chosen, logprobs, 0.0), axis=0))
+        # Columns 1..n: the kept candidates in their (descending) order, then the dropped ones.
+        dropped = in_range & (kept == 0)
+        column = tl.where(kept, tl.cumsum(kept.to(tl.int32), axis=0) - 1,
+                          num_kept + tl.cumsum(dropped.to(tl.int32), axis=0) - 1)
+        write = in_range & (column < num_logprobs)
+        tl.store(ids_out + 1 + column, ids.to(tl.int64), mask=write)
+        tl.store(logprobs_out + 1 + column, logprobs, mask=write)
 
 
 # FlashInfer's radix row-state scratch (zeroed once; the kernel leaves it zeroed), by device.
@@ -189,6 +233,7 @@ def sample_from_candidates(
     seeds: torch.Tensor,
     pos: torch.Tensor,
     write_processed: bool,
+    num_logprobs: int | None = None,
 ) -> CandidateSample:
     """Top-k / top-p sample each row and return its kept set (no host sync).
 
@@ -201,29 +246,47 @@ def sample_from_candidates(
             vocabulary size for "no top_k"), float32 (1.0: no top_p), float32, int64.
         pos: ``[R]`` int64, each row's position (with the seed, picks the Gumbel noise).
         write_processed: also return the ``[R, V]`` processed logits of the kept ids.
+        num_logprobs: ``n``, ``0 <= n <= K``: also return the sampled token's processed logprob
+            and rank and the ``n`` top processed logprobs (None: not).
     """
     num_rows, vocab_size = logits.shape
     if not 1 <= num_candidates <= min(vocab_size, MAX_CANDIDATES):
         raise ValueError(f"num_candidates must be in [1, {min(vocab_size, MAX_CANDIDATES)}], "
                          f"got {num_candidates}")
+    if num_logprobs is not None and not 0 <= num_logprobs <= num_candidates:
+        raise ValueError(f"num_logprobs must be in [0, num_candidates={num_candidates}], got "
+                         f"{num_logprobs}")
     if logits.stride(1) != 1:
         raise ValueError(f"logits must have a contiguous last dim, got strides {logits.stride()}")
     device = logits.device
     sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
     packed = torch.empty((num_rows, 1 + num_candidates), dtype=torch.int32, device=device)
-    processed = torch.full_like(logits, float("-inf")) if write_processed else None
+    result = CandidateSample(sampled, packed)
+    if write_processed:
+        result.processed = torch.full_like(logits, float("-inf"))
+    if num_logprobs is not None:
+        result.logprob_ids = torch.empty((num_rows, 1 + num_logprobs), dtype=torch.int64,
+                                         device=device)
+        result.logprobs = torch.empty((num_rows, 1 + num_logprobs), dtype=torch.float32,
+                                      device=device)
+        result.ranks = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows == 0:
-        return CandidateSample(sampled, packed, processed)
+        return result
     values, ids = top_candidates(logits, num_candidates)
     block = max(triton.next_power_of_2(num_candidates), 16)
+    # Outputs not asked for are never written: any tensor stands in for their pointers.
     _sample_candidates_kernel[(num_rows,)](
         values, ids, values.stride(0), row_to_req, top_k, top_p, temperature, seeds, pos,
         sampled, packed, packed.stride(0),
-        processed if write_processed else logits,  # never written unless WRITE_PROCESSED
-        logits.stride(0), num_candidates,
-        WRITE_PROCESSED=write_processed, BLOCK=block, num_warps=4 if block <= 256 else 8,
+        logits if result.processed is None else result.processed, logits.stride(0),
+        sampled if result.logprob_ids is None else result.logprob_ids,
+        logits if result.logprobs is None else result.logprobs,
+        sampled if result.ranks is None else result.ranks,
+        num_logprobs or 0, num_candidates, vocab_size,
+        WRITE_PROCESSED=write_processed, WRITE_LOGPROBS=num_logprobs is not None,
+        BLOCK=block, num_warps=4 if block <= 256 else 8,
     )
-    return CandidateSample(sampled, packed, processed)
+    return result
 
 
 def kept_candidates_reference(

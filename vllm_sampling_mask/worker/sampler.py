@@ -9,7 +9,10 @@ requests that opt out get it too. Other mask steps (top-p only, larger top_k) ru
 top-k/top-p + Gumbel path and compact the processed logits it returns, after every transform
 vLLM applies (logit bias, penalties, bad words, temperature, min-p, top-k/top-p; grammar masks
 come earlier); vLLM's FlashInfer sampler is never used there, since its "processed" logits are
-the pre-top-k ones. Both paths start from vLLM's own ``apply_sampling_params``.
+the pre-top-k ones. Both paths start from vLLM's own ``apply_sampling_params``. A candidate step
+that returns processed logprobs computes them in the same kernel, over the kept ids, and hands
+them to ``Sampler.__call__``'s ``compute_topk_scores``; vLLM would compute the same values from a
+``-inf``-filled ``[R, V]`` tensor in several passes over it.
 
 Speculative decoding (EAGLE, EAGLE3, MTP, DFlash, DSpark): a step with draft tokens is sampled
 by vLLM's ``RejectionSampler``, which applies every transform including top-k/top-p to the
@@ -35,7 +38,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_sampling_mask.config import SamplingMaskConfig, request_wants_masks
+from vllm.v1.outputs import LogprobsTensors
+
+from vllm_sampling_mask.config import (
+    REQUIRED_LOGPROBS_MODE,
+    SamplingMaskConfig,
+    request_wants_masks,
+)
 from vllm_sampling_mask.worker.candidate_sampler import (
     MAX_CANDIDATES,
     sample_from_candidates,
@@ -170,15 +179,19 @@ def sample_with_candidates(
     ``args``: ``Sampler.sample``'s ``(logits, expanded_idx_mapping, idx_mapping_np, pos,
     input_ids, expanded_local_pos)``; ``row_wants``: ``[R]`` bool, the rows that want masks
     (none: nothing is copied, as in a step vLLM samples). Returns ``(sampled [R] int64,
-    processed logits)``; the latter are filtered (``-inf`` outside each row's kept ids) when
-    logprobs are returned, else the pre-top-k logits, which ``Sampler.__call__`` does not read
-    then.
+    processed logits)``. Where the candidate sampler computes the step's logprobs itself
+    (``logprobs_from_candidates``) they wait for ``compute_topk_scores`` and the processed
+    logits returned are the pre-top-k ones, which ``Sampler.__call__`` then does not read; where
+    vLLM computes them, the processed logits are filtered (``-inf`` outside each row's kept ids).
     """
     logits = sampler.apply_sampling_params(*args, skip_top_k_top_p=True)
     states = sampler.sampling_states
+    num_logprobs = (logprobs_from_candidates(sampler, args[2], logits.shape[1])
+                    if return_logprobs else None)
     result = sample_from_candidates(
-        logits, max_top_k, args[1], states.top_k.gpu, states.top_p.gpu, states.temperature.gpu,
-        states.seeds.gpu, args[3], write_processed=return_logprobs,
+        logits, max(max_top_k, num_logprobs or 0), args[1], states.top_k.gpu, states.top_p.gpu,
+        states.temperature.gpu, states.seeds.gpu, args[3],
+        write_processed=return_logprobs and num_logprobs is None, num_logprobs=num_logprobs,
     )
     if not row_wants.any():
         sampler.__dict__[_PENDING_ATTR] = NO_MASKS_WANTED
@@ -186,7 +199,63 @@ def sample_with_candidates(
         support = CompactSupport(result.packed, None, logits.shape[1])
         sampler.__dict__[_PENDING_ATTR] = DeviceStepMasks(
             support, row_wants=None if row_wants.all() else row_wants)
-    return result.sampled, result.processed if return_logprobs else logits
+    if num_logprobs is not None:
+        global _candidate_logprobs
+        _candidate_logprobs = CandidateLogprobs(result.sampled, LogprobsTensors(
+            result.logprob_ids, result.logprobs, result.ranks))
+    return result.sampled, result.processed if result.processed is not None else logits
+
+
+def logprobs_from_candidates(sampler: Any, idx_mapping_np: np.ndarray,
+                             vocab_size: int) -> int | None:
+    """How many top logprobs the candidate sampler returns for a step that returns logprobs,
+    or None where vLLM computes them from the filtered ``[R, V]`` processed logits: logprobs
+    other than processed ones, the logprobs of given token ids (``logprob_token_ids``), or more
+    top logprobs than the candidate sampler can take candidates."""
+    if sampler.logprobs_mode != REQUIRED_LOGPROBS_MODE:
+        return None
+    if sampler.logprob_token_ids_state.max_num_token_ids(idx_mapping_np) > 0:
+        return None
+    num_logprobs = max(sampler.sampling_states.max_num_logprobs(idx_mapping_np), 0)
+    return num_logprobs if num_logprobs <= min(MAX_CANDIDATES, vocab_size) else None
+
+
+@dataclass
+class CandidateLogprobs:
+    """The logprobs the candidate sampler computed for the step whose sampled tokens are
+    ``sampled`` (``[R]`` int64), as ``compute_topk_scores`` returns them."""
+
+    sampled: torch.Tensor
+    logprobs: LogprobsTensors
+
+
+# Set by ``sample_with_candidates``; taken by ``compute_topk_scores``, which
+# ``Sampler.__call__`` calls next by its module name with the same sampled tensor (and cleared
+# after every ``Sampler.__call__``).
+_candidate_logprobs: CandidateLogprobs | None = None
+
+
+def wrap_compute_topk_scores(original: Any) -> Any:
+    """``compute_topk_scores`` as MRV2's ``Sampler.__call__`` calls it: the logprobs the
+    candidate sampler already computed for this step, instead of a pass over ``[R, V]``."""
+
+    @functools.wraps(original)
+    def compute_topk_scores(logits: torch.Tensor, num_logprobs: int,
+                            sampled_token_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        global _candidate_logprobs
+        ready = _candidate_logprobs
+        if ready is None or ready.sampled is not sampled_token_ids:
+            return original(logits, num_logprobs, sampled_token_ids, *args, **kwargs)
+        _candidate_logprobs = None
+        if ready.logprobs.logprobs.shape[1] != 1 + num_logprobs:
+            raise RuntimeError(
+                f"sampling masks: the candidate sampler computed "
+                f"{ready.logprobs.logprobs.shape[1] - 1} top logprobs for a step that returns "
+                f"{num_logprobs}. This is a bug in vllm-sampling-mask; please report it.")
+        cu_num_logits = args[0] if args else kwargs.get("cu_num_logits")
+        return ready.logprobs._replace(cu_num_generated_tokens=cu_num_logits)
+
+    return compute_topk_scores
 
 
 def wrap_call(original: Any) -> Any:
@@ -194,7 +263,11 @@ def wrap_call(original: Any) -> Any:
 
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        output = original(self, *args, **kwargs)
+        global _candidate_logprobs
+        try:
+            output = original(self, *args, **kwargs)
+        finally:
+            _candidate_logprobs = None
         pending = self.__dict__.pop(_PENDING_ATTR, None)
         if pending is not None:
             output.sampling_mask = pending
