@@ -4,11 +4,12 @@ A mask step whose requests all have a ``top_k`` of at most ``MAX_CANDIDATES`` sa
 instead of in vLLM's top-k/top-p + Gumbel path followed by the ``[R, V]`` compaction:
 
 1. ``top_candidates`` takes each row's ``K`` largest processed logits (``K`` = the batch's
-   largest top_k), sorted descending: the candidates. NaN and +inf rank first and are never
-   kept (a row whose top_k candidates are all non-finite keeps nothing and takes its first
-   candidate; one with some samples among its finite ones, where vLLM's Gumbel path would take
-   a +inf id. Mask requests with a non-finite logit_bias are refused, so only a broken model or
-   an opted-out request gets there);
+   largest top_k), sorted descending: the candidates. NaN and +inf rank first (but FlashInfer's
+   bf16 top-k ranks a NaN with its sign bit set last) and are never kept (a row whose top_k
+   candidates are all non-finite keeps nothing and takes its first candidate; one with some
+   samples among its finite ones, where vLLM's Gumbel path would take a +inf id. Mask requests
+   with a non-finite logit_bias are refused, so only a broken model or an opted-out request
+   gets there);
 2. one Triton program per row keeps the first ``top_k`` finite candidates, then the top-p prefix
    of those (top-k first, then top-p over the renormalised top-k, vLLM's order), samples one of
    the kept ids with Gumbel noise seeded by the request's seed and position, sorts the kept ids
