@@ -28,6 +28,21 @@ def test_host_overhead_smoke_run(subprocess_env: dict[str, str], tmp_path: Path)
     assert report["target_met"] is None  # --small: fewer requests than the targets' 512
 
 
+def test_output_processor_smoke_run(subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    # vLLM's real OutputProcessor, both modes in lock step; the script checks every request
+    # finished with all its tokens and, in `on` only, a mask row per token.
+    out = tmp_path / "output_processor.json"
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "bench_output_processor.py"),
+                             "--small", "--block", "3", "--out", str(out)], capture_output=True,
+                            text=True, env=subprocess_env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    report = json.loads(out.read_text())
+    assert len(report["rounds"]) == 2 and set(report["rounds"][0]) == {"stock", "on"}
+    for key in ("all", "without_gc"):
+        assert len(report["stock_over_on"][key]["rounds"]) == 2
+        assert report["stock_over_on"][key]["median"] > 0
+
+
 def test_pool_paired_rounds_pairs_each_round_with_the_baselines() -> None:
     sys.path.insert(0, str(BENCHMARKS))
     from pool_paired_rounds import pool
