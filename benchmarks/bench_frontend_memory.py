@@ -1,12 +1,13 @@
 """API-server memory held for the masks of in-flight non-streaming requests (CPU).
 
-Non-streaming HTTP requests run CUMULATIVE: every step's output carries all rows so far. Here
-``--requests`` requests of ``--tokens`` tokens each receive one ``--row-ids``-id wire row per step
-through the output processor's per-request storage (``RequestMaskRows.append``, what
-``OutputProcessor.process_outputs`` calls), and each step's output gets its live mask
-(``RequestMaskRows.live``, what ``_new_completion_output`` attaches); the consumer keeps only
-the latest output, as the API server's non-streaming handlers do. ``tracemalloc`` measures what
-is held at the end, against 4 bytes per kept id (issue 11: <= 1.25 x)::
+``--requests`` requests of ``--tokens`` tokens each receive one ``--row-ids``-id wire row per
+step through the output processor's per-request storage (``RequestMaskRows.append``, what
+``OutputProcessor.process_outputs`` calls). ``--output-kind``: ``final_only`` (non-streaming
+``/inference/v1/generate`` and ``LLM.generate``: the rows are taken once, at the end) or
+``cumulative`` (every step's output gets its live mask, ``RequestMaskRows.live``, what
+``_new_completion_output`` attaches; the consumer keeps only the latest output, as the API
+server's non-streaming handlers do). ``tracemalloc`` measures what is held before the end,
+against 4 bytes per kept id (issue 11: <= 1.25 x)::
 
     python benchmarks/bench_frontend_memory.py --out bench_out/frontend_memory.json  # ~1 min
     python benchmarks/bench_frontend_memory.py --small
@@ -30,6 +31,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--row-ids", type=int, default=50, help="Kept ids per row (top_k).")
+    parser.add_argument("--output-kind", choices=("final_only", "cumulative"),
+                        default="final_only")
     parser.add_argument("--small", action="store_true", help="16 requests x 1024 tokens.")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -48,26 +51,31 @@ def main(argv: Sequence[str] | None = None) -> dict:
     gc.collect()
     tracemalloc.start()
     began = time.perf_counter()
-    holders = [RequestMaskRows() for _ in range(args.requests)]
+    cumulative = args.output_kind == "cumulative"
+    holders = [RequestMaskRows(final_only=not cumulative) for _ in range(args.requests)]
     latest = [None] * args.requests
     for _ in range(args.tokens):
         for r, holder in enumerate(holders):
             holder.append(bytes(row))  # a fresh bytes per row, as msgspec decodes them
-            latest[r] = holder.live()
+            if cumulative:
+                latest[r] = holder.live()
     seconds = time.perf_counter() - began
     gc.collect()
     held, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     kept_ids = args.requests * args.tokens * args.row_ids
+    if not cumulative:  # what the last output of each request gets
+        latest = [holder.take_last(args.tokens) for holder in holders]
     assert all(len(mask) == args.tokens for mask in latest)
     report = {
+        "output_kind": args.output_kind,
         "requests": args.requests, "tokens": args.tokens, "row_ids": args.row_ids,
         "kept_ids": kept_ids, "held_bytes": held, "peak_bytes": peak,
         "bytes_per_kept_id": held / kept_ids, "ratio_to_4_bytes": held / (4 * kept_ids),
         "target_ratio": TARGET_RATIO, "met": held / (4 * kept_ids) <= TARGET_RATIO,
         "seconds": seconds,
     }
-    print(f"{args.requests} requests x {args.tokens} tokens x {args.row_ids} ids: held "
+    print(f"{args.output_kind}: {args.requests} requests x {args.tokens} tokens x {args.row_ids} ids: held "
           f"{held / 2**20:,.1f} MiB = {report['bytes_per_kept_id']:.3f} bytes per kept id "
           f"({report['ratio_to_4_bytes']:.3f} x 4; target <= {TARGET_RATIO}: "
           f"{'met' if report['met'] else 'MISSED'}); peak {peak / 2**20:,.1f} MiB, {seconds:.1f} s")

@@ -170,6 +170,65 @@ def test_final_only_returns_all_rows_once(tokenizer: TokenizerLike, text_tokens:
     assert "a" not in processor.request_states
 
 
+def test_final_only_request_holds_its_rows_in_blocks(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """A long FINAL_ONLY request (LLM.generate, non-streaming /inference/v1/generate) keeps its
+    rows as they came and joins every COMPACT_ROWS of them into one block: ~4 bytes per kept id
+    (issue 11: <= 1.25 x), no buffer grown a row at a time; the final mask has every row, in
+    order, including a speculative step's several rows across a block's end."""
+    import sys
+
+    from vllm_sampling_mask.engine.output_processor import COMPACT_ROWS
+
+    processor = make_processor(tokenizer)
+    add(processor, "a", FINAL_ONLY, max_tokens=1000)
+    tokens = (text_tokens * 300)[:3 * COMPACT_ROWS + 7]
+    sent: list[Row] = []
+    step = 0
+    while step < len(tokens):
+        width = 3 if step == COMPACT_ROWS - 1 else 1  # one step of 3 tokens across the block end
+        chunk = tokens[step:step + width]
+        rows = [sorted({t} | set(range(3000 + i, 3050 + i))) for i, t in enumerate(chunk)]
+        sent += rows
+        finish = FinishReason.LENGTH if step + width >= len(tokens) else None
+        output = engine_core_output("a", chunk, None, finish_reason=finish)
+        output.sampling_mask = (mask_row(rows[0]) if width == 1
+                                else [mask_row(row) for row in rows])
+        if finish is None:
+            assert process(processor, output) == []
+            holder = processor.request_states["a"].__dict__["sampling_mask_rows"]
+            held, blocks = len(holder), len(holder.blocks)
+            held_bytes = (sum(sys.getsizeof(block) for block in holder.blocks)
+                          + sum(sys.getsizeof(row) for row in holder.pending)
+                          + sys.getsizeof(holder.lengths))
+        else:
+            final = only_completion(process(processor, output))
+        step += width
+    assert held == len(tokens) - 1 and blocks == 3
+    assert held_bytes <= 1.25 * 4 * sum(len(row) for row in sent[:held]), held_bytes
+    assert list(final.token_ids) == tokens
+    assert final.sampling_mask.token_ids == sent
+    assert "a" not in processor.request_states
+
+
+def test_final_only_rows_read_as_any_output_kind() -> None:
+    """A FINAL_ONLY holder's blocks and pending rows read as one sequence: the last n rows, or,
+    for a streaming-input session whose later chunk asked for CUMULATIVE outputs, a live mask
+    that keeps growing (the holder switches to the CUMULATIVE layout)."""
+    from vllm_sampling_mask.engine.output_processor import COMPACT_ROWS, RequestMaskRows
+
+    rows = [[i, 5000 + i] + list(range(6000, 6000 + i % 4)) for i in range(COMPACT_ROWS + 9)]
+    holder = RequestMaskRows(final_only=True)
+    holder.extend([mask_row(row) for row in rows])
+    assert len(holder) == len(rows) and len(holder.blocks) == 1
+    assert holder.snapshot_last(3).token_ids == rows[-3:]
+    live = holder.live()
+    holder.append(mask_row([7, 8]))
+    assert live.token_ids == rows + [[7, 8]] and holder.blocks is None
+    assert holder.take_last(2).token_ids == [rows[-1], [7, 8]] and len(holder) == 0
+
+
 def test_cumulative_outputs_carry_all_rows_so_far(
     tokenizer: TokenizerLike, text_tokens: list[int]
 ) -> None:

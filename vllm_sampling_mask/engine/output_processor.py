@@ -28,62 +28,102 @@ _MASK_REQUESTS_ATTR = "sampling_mask_requests"
 COMPLETION_OUTPUT_METHOD = "vllm.v1.engine.output_processor:RequestState._new_completion_output"
 
 
+COMPACT_ROWS = 64
+"""A FINAL_ONLY request joins its rows into one block every this many rows."""
+
+
 class RequestMaskRows:
     """One request's rows, kept as the little-endian int32 bytes they came in.
 
-    ``SamplingMask`` decodes rows into Python lists only when a user reads ``token_ids``.
-    Streamed (DELTA) requests hand each row out at the next output, so they keep the rows'
-    bytes objects as they arrived (``pending``: no copy per step). The others keep one growing
-    buffer of ids and one length per row, ~4 bytes per kept id however long the request:
-    FINAL_ONLY outputs take the rows once at the end (``take_last``), CUMULATIVE outputs
-    (non-streaming HTTP) get ``live()``, a mask over the holder's own buffers that grows with
-    the request, as the detokenizer's token list handed out with it does.
+    ``SamplingMask`` decodes rows into Python lists only when a user reads ``token_ids``. The
+    layout follows the request's output kind:
+
+    - DELTA (streamed): each output hands out the rows since the last, so ``pending`` keeps the
+      rows' bytes objects as they arrived (no copy per step);
+    - FINAL_ONLY (``LLM.generate``, non-streaming ``/inference/v1/generate``): the rows are
+      taken once, at the end (``take_last``). ``pending`` keeps them as they arrived and every
+      ``COMPACT_ROWS`` of them are joined into one block of ``blocks`` (their lengths in
+      ``lengths``): ~4 bytes per kept id, and no buffer that grows by a row a step (one per
+      request, re-allocated and copied as it grows, cold in cache: the largest cost of masks in
+      a frontend-bound step, docs/benchmarks.md);
+    - CUMULATIVE (other non-streaming outputs): one growing buffer of ids (``blob``) and one
+      length per row; every output gets ``live()``, a mask over these buffers that grows with
+      the request, as the detokenizer's token list handed out with it does.
     """
 
-    __slots__ = ("lengths", "blob", "pending")
+    __slots__ = ("lengths", "blob", "pending", "blocks")
 
-    def __init__(self, streaming: bool = False) -> None:
-        self.lengths = array("i")  # ids per row
-        self.blob = bytearray()  # every row's ids, concatenated
-        self.pending: list[bytes] | None = [] if streaming else None
+    def __init__(self, streaming: bool = False, final_only: bool = False) -> None:
+        self.lengths = array("i")  # ids per row (FINAL_ONLY: per row of ``blocks``)
+        self.blob = bytearray()  # CUMULATIVE: every row's ids, concatenated
+        self.pending: list[bytes] | None = [] if streaming or final_only else None
+        self.blocks: list[bytes] | None = [] if final_only and not streaming else None
 
     def __len__(self) -> int:
-        return len(self.lengths) if self.pending is None else len(self.pending)
+        if self.pending is None:
+            return len(self.lengths)
+        return len(self.pending) if self.blocks is None else len(self.lengths) + len(self.pending)
 
     def append(self, row: bytes) -> None:
         """Add one token's wire row (its kept ids, ascending, little-endian int32)."""
-        if self.pending is not None:
-            self.pending.append(row)
+        pending = self.pending
+        if pending is None:
+            self.blob += row
+            self.lengths.append(len(row) >> 2)
             return
-        self.blob += row
-        self.lengths.append(len(row) >> 2)
+        pending.append(row)
+        if len(pending) >= COMPACT_ROWS and self.blocks is not None:
+            self.compact()
 
     def extend(self, rows: list[bytes]) -> None:
         """Add several tokens' wire rows (a speculative-decoding step)."""
         for row in rows:
             self.append(row)
 
+    def compact(self) -> None:
+        """FINAL_ONLY: join the pending rows into one block."""
+        pending = self.pending
+        self.lengths.extend([len(row) >> 2 for row in pending])
+        self.blocks.append(b"".join(pending))
+        pending.clear()
+
     def live(self) -> SamplingMask:
         """All rows so far, and every row appended later (CUMULATIVE outputs)."""
+        self._to_buffer()
         return SamplingMask.from_wire(self.lengths, self.blob)
 
     def take_last(self, num_rows: int) -> SamplingMask:
         """The last ``num_rows`` rows, undecoded; every row held is dropped (DELTA and
         FINAL_ONLY outputs). Requires ``num_rows <= len(self)``."""
-        if self.pending is not None:
+        if self.blocks is None and self.pending is not None:
             pending, self.pending = self.pending, []
             return rows_mask(pending if len(pending) == num_rows else pending[-num_rows:])
         mask = self.snapshot_last(num_rows)
         self.lengths, self.blob = array("i"), bytearray()
+        if self.blocks is not None:
+            self.blocks, self.pending = [], []
         return mask
 
     def snapshot_last(self, num_rows: int) -> SamplingMask:
         """The last ``num_rows`` rows as they are now (a copy); nothing is dropped. Not for
         streaming holders."""
-        dropped = len(self.lengths) - num_rows
-        start = 4 * sum(self.lengths[:dropped]) if dropped else 0
-        return SamplingMask.from_wire(self.lengths[dropped:].tolist(),
-                                      bytes(memoryview(self.blob)[start:]))
+        if self.blocks is not None:
+            lengths = self.lengths.tolist() + [len(row) >> 2 for row in self.pending]
+            blob = b"".join([*self.blocks, *self.pending])
+        else:
+            lengths, blob = self.lengths.tolist(), self.blob
+        dropped = len(lengths) - num_rows
+        start = 4 * sum(lengths[:dropped]) if dropped else 0
+        return SamplingMask.from_wire(lengths[dropped:], bytes(memoryview(blob)[start:]))
+
+    def _to_buffer(self) -> None:
+        """A FINAL_ONLY holder asked for a live mask (should a later output of its request be
+        CUMULATIVE): the CUMULATIVE layout from now on."""
+        if self.blocks is None:
+            return
+        self.lengths.extend([len(row) >> 2 for row in self.pending])
+        self.blob = bytearray(b"".join([*self.blocks, *self.pending]))
+        self.blocks = self.pending = None
 
 
 def mask_rows_of(state: Any) -> RequestMaskRows:
@@ -93,8 +133,10 @@ def mask_rows_of(state: Any) -> RequestMaskRows:
     if holder is None:
         from vllm.sampling_params import RequestOutputKind
 
-        streaming = getattr(state, "output_kind", None) is RequestOutputKind.DELTA
-        holder = state.__dict__[_ROWS_ATTR] = RequestMaskRows(streaming)
+        kind = getattr(state, "output_kind", None)
+        holder = state.__dict__[_ROWS_ATTR] = RequestMaskRows(
+            streaming=kind is RequestOutputKind.DELTA,
+            final_only=kind is RequestOutputKind.FINAL_ONLY)
         patching.patch_instance(COMPLETION_OUTPUT_METHOD, state)
     return holder
 
@@ -178,8 +220,10 @@ def wrap_process_outputs(original: Any) -> Any:
                     pending = holder.pending
                     if pending is None:
                         holder.append(row)
-                    else:
-                        pending.append(row)  # a streamed row (every step): no method call
+                    else:  # streamed or FINAL_ONLY (every step): no method call
+                        pending.append(row)
+                        if len(pending) >= COMPACT_ROWS and holder.blocks is not None:
+                            holder.compact()
                     continue
                 if row.__class__ is list and len(row) == num_new:
                     holder.extend(row)  # a speculative step's tokens
