@@ -56,13 +56,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int,
                         help=f"Tokens per request, i.e. steps (default {FULL_SIZE['tokens']}).")
     parser.add_argument("--rounds", type=int,
-                        help=f"Rounds per mode (default {FULL_SIZE['rounds']}).")
+                        help=f"Rounds, each of both modes (default {FULL_SIZE['rounds']}).")
     parser.add_argument("--logprobs", type=int, default=1, help="Top logprobs per token (-1: none).")
     parser.add_argument("--top-k", type=int, default=50, help="Ids per mask row.")
     parser.add_argument("--block", type=int, default=16,
                         help="Steps each mode runs before the other takes its turn.")
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--tokenizer-vocab", type=int, default=8192)
+    parser.add_argument("--tokenizer-vocab", type=int, default=8192,
+                        help="Vocabulary the tiny tokenizer is trained for (it may end smaller).")
     args = parser.parse_args(argv)
     defaults = SMALL_SIZE if args.small else FULL_SIZE
     for name, value in defaults.items():
