@@ -52,6 +52,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from size_defaults import fill_size_defaults  # benchmarks/, the script's own directory
+
 FULL_SIZE = dict(requests=512, vocab=151936, top_k=50, reps=200)
 SMALL_SIZE = dict(requests=16, vocab=4096, top_k=50, reps=20)
 # Per step at 512 requests (issue 11), per process: the two run in parallel.
@@ -80,12 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--pin-fastest", action="store_true",
                         help="Run on the CPU that runs a fixed loop fastest now.")
-    args = parser.parse_args(argv)
-    defaults = SMALL_SIZE if args.small else FULL_SIZE
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    return fill_size_defaults(parser.parse_args(argv), SMALL_SIZE, FULL_SIZE)
 
 
 def measure(run: Callable[[Any], Any], setup: Callable[[], Any], warmup: int,

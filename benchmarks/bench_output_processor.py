@@ -42,6 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from size_defaults import fill_size_defaults  # benchmarks/, the script's own directory
+
 FULL_SIZE = dict(requests=256, tokens=256, rounds=8)
 SMALL_SIZE = dict(requests=8, tokens=8, rounds=2)
 MODES = ("stock", "on")
@@ -64,12 +66,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--tokenizer-vocab", type=int, default=8192,
                         help="Vocabulary the tiny tokenizer is trained for (it may end smaller).")
-    args = parser.parse_args(argv)
-    defaults = SMALL_SIZE if args.small else FULL_SIZE
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    return fill_size_defaults(parser.parse_args(argv), SMALL_SIZE, FULL_SIZE)
 
 
 class RoundInputs:

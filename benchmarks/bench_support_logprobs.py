@@ -35,6 +35,8 @@ from vllm_sampling_mask.training import (
 )
 from vllm_sampling_mask.training.logprobs_from_hidden import DEFAULT_TOKEN_CHUNK
 
+from size_defaults import fill_size_defaults  # benchmarks/, the script's own directory
+
 FULL_SIZE = dict(tokens=8192, vocab=151936, top_k=50, hidden=1024)
 SMALL_SIZE = dict(tokens=256, vocab=4096, top_k=50, hidden=64)
 
@@ -70,12 +72,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    defaults = SMALL_SIZE if args.small else FULL_SIZE
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    return fill_size_defaults(parser.parse_args(argv), SMALL_SIZE, FULL_SIZE)
 
 
 def make_masks(num_tokens: int, vocab_size: int, top_k: int, device: torch.device,
