@@ -75,7 +75,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "target_ratio": TARGET_RATIO, "met": held / (4 * kept_ids) <= TARGET_RATIO,
         "seconds": seconds,
     }
-    print(f"{args.output_kind}: {args.requests} requests x {args.tokens} tokens x {args.row_ids} ids: held "
+    print(f"{args.output_kind}: {args.requests} requests x {args.tokens} tokens x "
+          f"{args.row_ids} ids: held "
           f"{held / 2**20:,.1f} MiB = {report['bytes_per_kept_id']:.3f} bytes per kept id "
           f"({report['ratio_to_4_bytes']:.3f} x 4; target <= {TARGET_RATIO}: "
           f"{'met' if report['met'] else 'MISSED'}); peak {peak / 2**20:,.1f} MiB, {seconds:.1f} s")

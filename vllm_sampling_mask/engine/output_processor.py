@@ -44,8 +44,7 @@ class RequestMaskRows:
       taken once, at the end (``take_last``). ``pending`` keeps them as they arrived and every
       ``COMPACT_ROWS`` of them are joined into one block of ``blocks`` (their lengths in
       ``lengths``): ~4 bytes per kept id, and no buffer that grows by a row a step (one per
-      request, re-allocated and copied as it grows, cold in cache: the largest cost of masks in
-      a frontend-bound step, docs/benchmarks.md);
+      request, re-allocated and copied as it grows);
     - CUMULATIVE (other non-streaming outputs): one growing buffer of ids (``blob``) and one
       length per row; every output gets ``live()``, a mask over these buffers that grows with
       the request, as the detokenizer's token list handed out with it does.
@@ -57,7 +56,7 @@ class RequestMaskRows:
         self.lengths = array("i")  # ids per row (FINAL_ONLY: per row of ``blocks``)
         self.blob = bytearray()  # CUMULATIVE: every row's ids, concatenated
         self.pending: list[bytes] | None = [] if streaming or final_only else None
-        self.blocks: list[bytes] | None = [] if final_only and not streaming else None
+        self.blocks: list[bytes] | None = [] if final_only else None
 
     def __len__(self) -> int:
         if self.pending is None:
@@ -88,8 +87,8 @@ class RequestMaskRows:
         pending.clear()
 
     def live(self) -> SamplingMask:
-        """All rows so far, and every row appended later (CUMULATIVE outputs)."""
-        self._to_buffer()
+        """All rows so far, and every row appended later (CUMULATIVE outputs: a request's
+        output kind, and so its holder's layout, is fixed when its state is made)."""
         return SamplingMask.from_wire(self.lengths, self.blob)
 
     def take_last(self, num_rows: int) -> SamplingMask:
@@ -99,8 +98,10 @@ class RequestMaskRows:
             pending, self.pending = self.pending, []
             return rows_mask(pending if len(pending) == num_rows else pending[-num_rows:])
         mask = self.snapshot_last(num_rows)
-        self.lengths, self.blob = array("i"), bytearray()
-        if self.blocks is not None:
+        self.lengths = array("i")
+        if self.blocks is None:
+            self.blob = bytearray()
+        else:
             self.blocks, self.pending = [], []
         return mask
 
@@ -115,15 +116,6 @@ class RequestMaskRows:
         dropped = len(lengths) - num_rows
         start = 4 * sum(lengths[:dropped]) if dropped else 0
         return SamplingMask.from_wire(lengths[dropped:], bytes(memoryview(blob)[start:]))
-
-    def _to_buffer(self) -> None:
-        """A FINAL_ONLY holder asked for a live mask (should a later output of its request be
-        CUMULATIVE): the CUMULATIVE layout from now on."""
-        if self.blocks is None:
-            return
-        self.lengths.extend([len(row) >> 2 for row in self.pending])
-        self.blob = bytearray(b"".join([*self.blocks, *self.pending]))
-        self.blocks = self.pending = None
 
 
 def mask_rows_of(state: Any) -> RequestMaskRows:
@@ -220,7 +212,7 @@ def wrap_process_outputs(original: Any) -> Any:
                     pending = holder.pending
                     if pending is None:
                         holder.append(row)
-                    else:  # streamed or FINAL_ONLY (every step): no method call
+                    else:  # streamed or FINAL_ONLY (every step): append's work, inlined
                         pending.append(row)
                         if len(pending) >= COMPACT_ROWS and holder.blocks is not None:
                             holder.compact()
