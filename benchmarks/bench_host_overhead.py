@@ -211,10 +211,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     update = wrap_update_from_output(lambda self, sched_out, runner_out: self.pending)
     runner_output = SimpleNamespace(sampling_masks=step, req_id_to_index=index, req_ids=request_ids)
 
-    def scheduler_setup() -> Any:
-        return Stub(sampling_mask_enabled=True, pending=scheduler_outputs())
+    def scheduler_setup(held: bool = False) -> Any:
+        # held: FINAL_ONLY requests, whose rows stay in the scheduler until their last output
+        return Stub(sampling_mask_enabled=True, pending=scheduler_outputs(),
+                    sampling_mask_held={rid: [] for rid in request_ids} if held else {})
 
     timed("scheduler", lambda sched: update(sched, None, runner_output), scheduler_setup)
+    timed("scheduler_held", lambda sched: update(sched, None, runner_output),
+          lambda: scheduler_setup(held=True))
     with_masks = update(scheduler_setup(), None, runner_output)[0]
     without_masks = EngineCoreOutputs(outputs=[EngineCoreOutput(rid, [tok])
                                                for rid, tok in zip(request_ids, tokens)])
@@ -242,9 +246,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         states = {rid: Stub(request_id=rid) for rid in request_ids}
         for state in states.values():
             mask_rows_of(state)
-        return Stub(sampling_mask_requests=set(request_ids), request_states=states)
+        return Stub(sampling_mask_requests=set(request_ids), request_states=states,
+                    sampling_mask_lockstep=set(request_ids), sampling_mask_calls=0)
 
     timed("frontend", lambda proc: process(proc, decoded.outputs), frontend_setup)
+    # Held (FINAL_ONLY) requests mid-generation: their outputs carry no rows.
+    held_outputs = decoder_stock.decode(frames_stock).outputs
+
+    def frontend_held_setup() -> Any:
+        return Stub(sampling_mask_requests=set(request_ids), request_states={},
+                    sampling_mask_lockstep=set(), sampling_mask_calls=0)
+
+    timed("frontend_held", lambda proc: process(proc, held_outputs), frontend_held_setup)
     processor = frontend_setup()
     process(processor, decoded.outputs)
     first_rows = processor.request_states[request_ids[0]].sampling_mask_rows.live().token_ids

@@ -3,10 +3,11 @@
 With ``logprobs=1`` at batch 64 and 256 the offline engine's frontend (one Python process, one
 GIL) is the bound on the H200, stock included (docs/benchmarks.md, twenty-second session): its
 CPU time per step, not the engine core's, sets the throughput. This script measures that CPU time
-without a GPU: one round of ``--requests`` requests generating ``--tokens`` tokens each with
-``--logprobs`` top logprobs (FINAL_ONLY, as ``LLM.generate`` asks), each step's
-``EngineCoreOutputs`` decoded from its msgpack frames (the frontend's output thread) and passed
-to a real vLLM 0.26 ``OutputProcessor`` with a real tokenizer and detokenizer::
+without using a GPU (on a GPU machine, its host's CPU: ``run_h200.sh frontend``): one round of
+``--requests`` requests generating ``--tokens`` tokens each with ``--logprobs`` top logprobs
+(FINAL_ONLY, as ``LLM.generate`` asks), each step's ``EngineCoreOutputs`` decoded from its
+msgpack frames (the frontend's output thread) and passed to a real vLLM 0.26 ``OutputProcessor``
+with a real tokenizer and detokenizer::
 
     python benchmarks/bench_output_processor.py --out bench_out/output_processor.json
     python benchmarks/bench_output_processor.py --small          # smoke (seconds)
@@ -15,9 +16,13 @@ Two modes in one process, in lock step (``run_round``), the plugin's patches app
 
 - ``stock``: vLLM's ``EngineCoreOutputs`` decoded by vLLM's decoder, a processor with masks
   off (what the plugin's wrappers cost there is vLLM's own path plus one attribute read);
-- ``on``: every output also carries its token's row of ``--top-k`` ids, decoded by the mask
-  engine's decoder (``EngineCoreOutputsWithMasks``), a processor with masks on; each request's
-  ``CompletionOutput.sampling_mask`` is attached at its end (not read).
+- ``on``: the outputs also carry the rows (``--top-k`` ids each) as a mask engine's scheduler
+  sends them, decoded by its decoder (``EngineCoreOutputsWithMasks``), a processor with masks
+  on; each request's ``CompletionOutput.sampling_mask`` is attached at its end (not read).
+  ``--rows held`` (default): the rows of these FINAL_ONLY requests are held in the engine core
+  and come ``HELD_ROWS`` at a time and with the last output; ``--rows every_step``: every output
+  carries its token's row, as for a FINAL_ONLY request with stop strings (which the requests of
+  both modes then have).
 
 Reported per round: each mode's thread CPU time per step and the collector's share of it, and
 stock/on of the CPU time without the collector's (the headline: a frontend-bound engine's
@@ -61,6 +66,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=f"Rounds, each of both modes (default {FULL_SIZE['rounds']}).")
     parser.add_argument("--logprobs", type=int, default=1, help="Top logprobs per token (-1: none).")
     parser.add_argument("--top-k", type=int, default=50, help="Ids per mask row.")
+    parser.add_argument("--rows", choices=("held", "every_step"), default="held",
+                        help="How the engine core sends the rows (see the module docstring).")
     parser.add_argument("--block", type=int, default=16,
                         help="Steps each mode runs before the other takes its turn.")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -78,6 +85,7 @@ class RoundInputs:
         from vllm.v1.outputs import LogprobsLists
         from vllm.v1.serial_utils import MsgpackEncoder
 
+        from vllm_sampling_mask.core.scheduler import HELD_ROWS
         from vllm_sampling_mask.engine.transport import (
             EngineCoreOutputsWithMasks,
             EngineCoreOutputWithMask,
@@ -90,6 +98,7 @@ class RoundInputs:
         tokens = rng.integers(1, vocab, (T, R))
         encoder = MsgpackEncoder()
         self.frames: dict[str, list[Any]] = {mode: [] for mode in MODES}
+        held: list[list[bytes]] = [[] for _ in range(R)]
         for t in range(T):
             finish = FinishReason.LENGTH if t == T - 1 else None
             stock, on = [], []
@@ -102,9 +111,15 @@ class RoundInputs:
                         ids[None], -rng.random((1, 1 + n), dtype=np.float32) * 5,
                         np.ones(1, dtype=np.int32))
                 row = np.union1d(rng.choice(vocab, args.top_k - 1, replace=False), [token])
+                row_bytes = row.astype("<i4").tobytes()
+                if args.rows == "held":
+                    held[r].append(row_bytes)
+                    rows, sent = held[r], finish is not None or len(held[r]) >= HELD_ROWS
+                    row_bytes = rows if sent else None
+                    if sent:
+                        held[r] = []
                 stock.append(EngineCoreOutput(**fields))
-                on.append(EngineCoreOutputWithMask(
-                    **fields, sampling_mask=row.astype("<i4").tobytes()))
+                on.append(EngineCoreOutputWithMask(**fields, sampling_mask=row_bytes))
             stamp = time.monotonic()
             self.frames["stock"].append(encoder.encode(EngineCoreOutputs(outputs=stock,
                                                                          timestamp=stamp)))
@@ -127,7 +142,8 @@ def new_processor(mode: str, inputs: RoundInputs, args: argparse.Namespace,
     for rid, prompt in zip(inputs.request_ids, inputs.prompts):
         params = SamplingParams(temperature=1.0, top_k=args.top_k, top_p=0.95,
                                 max_tokens=args.tokens, output_kind=RequestOutputKind.FINAL_ONLY,
-                                logprobs=None if args.logprobs < 0 else args.logprobs)
+                                logprobs=None if args.logprobs < 0 else args.logprobs,
+                                stop=["<never in the text>"] if args.rows == "every_step" else None)
         params.update_from_generation_config({}, 0)
         processor.add_request(EngineCoreRequest(
             request_id=rid, prompt_token_ids=prompt, mm_features=None, sampling_params=params,
@@ -197,7 +213,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_engine_throughput import setup_environment
 
-    setup_environment(small=True)  # vLLM's modules need a platform: the CPU test platform
+    import torch
+
+    # vLLM's modules need a platform: a GPU machine's own, else the CPU test platform
+    setup_environment(small=not torch.cuda.is_available())
     import vllm.v1.engine.output_processor  # noqa: F401  (the patched modules)
     from vllm.tokenizers import get_tokenizer
     from vllm.v1.engine import EngineCoreOutputs
@@ -243,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     med, ratio = report["median_ms_per_step"], report["stock_over_on"]
     print(f"\n{args.requests} requests x {args.tokens} tokens, logprobs {args.logprobs}, rows of "
-          f"{args.top_k} ids; frontend CPU per step (median round): stock "
+          f"{args.top_k} ids ({args.rows}); frontend CPU per step (median round): stock "
           f"{med['stock']['cpu_ms_per_step']:.3f} ms, on {med['on']['cpu_ms_per_step']:.3f} ms")
     for key, label in (("without_gc", "without the collector's"),
                        ("all", "with the collector's, where it landed")):

@@ -60,6 +60,9 @@
 #   layouts_throughput  on `nvidia-h200-x2`: stock / on throughput with TP=2 and PP=2, eager
 #                                                                                  (<= 9.5 min)
 #   profile   host time per step by function at B=256: off, optout, on (in-process engines)
+#   frontend  the frontend's CPU per step with vLLM's real OutputProcessor, logprobs=1, 256
+#             requests, stock / on in lock step (bench_output_processor.py; no GPU used: the
+#             host's CPU, which bounds an engine with logprobs)                    (~3 min)
 #   paths     step costs of the sampling paths, top_k 50 (with logprobs) and 1024 (~2 min)
 #
 # Each step writes <step>.json and <step>.log under $OUT (default bench_out/) and runs under its
@@ -268,6 +271,9 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
     bench profile_engine_step profile_b256 300 --no-enforce-eager --configs off,optout,on \
       --batch-sizes 256 --reps 4 --cprofile 40
     ;;
+  frontend)
+    bench bench_output_processor output_processor 300 --rounds 12
+    ;;
   paths)
     # GPU only (no --small smoke): `step`, not `bench`, so SMALL=1 does not pass --small
     step sampler_paths 90 python3 benchmarks/bench_sampler_paths.py --logprobs \
@@ -277,7 +283,7 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
       --out "$out/sampler_paths_top_k_1024.json"
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|control|rounds [B]|logprobs [B]|http|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|control|rounds [B]|logprobs [B]|http|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile|frontend|paths" >&2
     exit 2
     ;;
 esac

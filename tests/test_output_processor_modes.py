@@ -57,12 +57,21 @@ def make_processor(
     return processor
 
 
+# A stop string the test texts never contain: a FINAL_ONLY request with it gets its rows every
+# step (the frontend may finish it), not all at its end.
+EVERY_STEP = {"stop": ["<never in the text>"]}
+
+
 @dataclass
 class FakeEngineCore:
-    """Emits engine-core outputs with recognisable rows; remembers every row it sent."""
+    """Emits engine-core outputs with recognisable rows; remembers every row it sent. Rows of
+    the requests in ``held`` are kept until their last output, which carries them all (a list),
+    as the scheduler does for FINAL_ONLY requests."""
 
     sent_rows: dict[str, list[Row]] = field(default_factory=dict)
     with_masks: bool = True
+    held: dict[str, list[Row]] = field(default_factory=dict)
+    held_rows: int = 256  # a held request's rows go out once it has this many (HELD_ROWS)
 
     def row(self, request_id: str, token: int) -> Row:
         """Row of the request's next token: ``k`` is 1, 2, 3, 1, ... in order of first output."""
@@ -84,10 +93,18 @@ class FakeEngineCore:
         if tokens:
             row = self.row(request_id, tokens[0])
             self.sent_rows[request_id].append(row)
-        return engine_core_output(
+        output = engine_core_output(
             request_id, tokens, row if self.with_masks else None,
             finish_reason=finish_reason, stop_reason=stop_reason,
         )
+        if request_id in self.held:
+            held = self.held[request_id]
+            held += [row] if row is not None else []
+            output.sampling_mask = None
+            if (finish_reason is not None or len(held) >= self.held_rows) and held:
+                output.sampling_mask = [mask_row(r) for r in held]
+                held.clear()
+        return output
 
 
 def add(
@@ -170,10 +187,59 @@ def test_final_only_returns_all_rows_once(tokenizer: TokenizerLike, text_tokens:
     assert "a" not in processor.request_states
 
 
+def test_held_rows_come_with_the_last_output(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """FINAL_ONLY without stop strings: the engine core holds the rows and sends them a few at
+    a time and with the last output; the frontend looks up only outputs that carry rows or
+    finish (no request with rows every step is remembered), and a request with stop strings
+    brings the every-step pass back."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore(held_rows=3)
+    add(processor, "a", FINAL_ONLY)
+    add(processor, "b", FINAL_ONLY)
+    engine.held.update(a=[], b=[])
+    assert processor.__dict__["sampling_mask_lockstep"] == set()
+    for i, token in enumerate(text_tokens[:3]):
+        outputs = [engine.output("a", [token]), engine.output("b", [token])]
+        assert all((o.sampling_mask is None) == (i < 2) for o in outputs)  # 3 rows: sent
+        assert process(processor, *outputs) == []
+    [final_a] = process(processor, engine.output("a", text_tokens[3:4], FinishReason.LENGTH),
+                        engine.output("b", text_tokens[3:4]))
+    [final_b] = process(processor, engine.output("b", text_tokens[4:5], FinishReason.STOP))
+    for final, request_id, num_tokens in ((final_a, "a", 4), (final_b, "b", 5)):
+        completion = final.outputs[0]
+        assert list(completion.token_ids) == text_tokens[:num_tokens]
+        assert completion.sampling_mask.token_ids == engine.sent_rows[request_id]
+        assert_aligned(completion)
+    add(processor, "s", FINAL_ONLY, **EVERY_STEP)
+    assert processor.__dict__["sampling_mask_lockstep"] == {"s"}
+
+
+def test_a_held_request_finishing_with_a_row_short_fails_alone(
+    tokenizer: TokenizerLike, text_tokens: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A held request's last output with fewer rows than its tokens (a bug): that request
+    finishes with vLLM's per-request error and no mask; the other one gets its rows."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    add(processor, "a", FINAL_ONLY)
+    add(processor, "b", FINAL_ONLY)
+    engine.held.update(a=[], b=[])
+    process(processor, engine.output("a", text_tokens[0:1]), engine.output("b", text_tokens[0:1]))
+    short = engine.output("a", text_tokens[1:2], FinishReason.LENGTH)
+    short.sampling_mask = short.sampling_mask[:1]
+    result = processor.process_outputs(
+        [short, engine.output("b", text_tokens[1:2], FinishReason.LENGTH)])
+    by_id = {o.request_id: o.outputs[0] for o in result.request_outputs}
+    assert by_id["a"].finish_reason == "error" and by_id["a"].sampling_mask is None
+    assert "sampling mask of request a: it finished after 2 token(s) with 1 row(s)" in caplog.text
+    assert by_id["b"].sampling_mask.token_ids == engine.sent_rows["b"]
+    assert result.reqs_to_abort == []  # finished in the engine core already
+
+
 def test_final_only_request_holds_its_rows_in_blocks(
     tokenizer: TokenizerLike, text_tokens: list[int]
 ) -> None:
-    """A long FINAL_ONLY request (LLM.generate, non-streaming /inference/v1/generate) keeps its
+    """A long FINAL_ONLY request whose rows come every step (stop strings) keeps its
     rows as they came and joins every COMPACT_ROWS of them into one block: ~4 bytes per kept id
     (issue 11: <= 1.25 x), no buffer grown a row at a time; the final mask has every row, in
     order, including a speculative step's several rows across a block's end."""
@@ -182,7 +248,7 @@ def test_final_only_request_holds_its_rows_in_blocks(
     from vllm_sampling_mask.engine.output_processor import COMPACT_ROWS
 
     processor = make_processor(tokenizer)
-    add(processor, "a", FINAL_ONLY, max_tokens=1000)
+    add(processor, "a", FINAL_ONLY, max_tokens=1000, **EVERY_STEP)
     tokens = (text_tokens * 300)[:3 * COMPACT_ROWS + 7]
     sent: list[Row] = []
     step = 0
@@ -214,15 +280,25 @@ def test_final_only_request_holds_its_rows_in_blocks(
 
 def test_final_only_rows_read_as_one_sequence() -> None:
     """A FINAL_ONLY holder's blocks and pending rows read as one sequence: the last n rows, as
-    they are now or taken (which drops them all)."""
+    they are now or taken (which drops them all); the same for a held request's rows, which
+    come many at a time (joined into one block)."""
     from vllm_sampling_mask.engine.output_processor import COMPACT_ROWS, RequestMaskRows
 
     rows = [[i, 5000 + i] + list(range(6000, 6000 + i % 4)) for i in range(COMPACT_ROWS + 9)]
     holder = RequestMaskRows(final_only=True)
-    holder.extend([mask_row(row) for row in rows])
+    for row in rows:
+        holder.append(mask_row(row))
     assert len(holder) == len(rows) and len(holder.blocks) == 1
     assert holder.snapshot_last(3).token_ids == rows[-3:]
     assert holder.take_last(len(rows) - 1).token_ids == rows[1:] and len(holder) == 0
+
+    held = RequestMaskRows(final_only=True, held=True)
+    held.extend([mask_row(row) for row in rows[:3]])
+    held.extend([mask_row(row) for row in rows[3:]])
+    assert len(held) == len(rows) and len(held.blocks) == 1 and held.pending == []
+    assert held.take_last(len(rows)).token_ids == rows and len(held) == 0
+    with pytest.raises(ValueError, match="FINAL_ONLY"):
+        RequestMaskRows(streaming=True, held=True)
 
 
 def test_cumulative_outputs_carry_all_rows_so_far(
@@ -522,8 +598,9 @@ def test_an_output_whose_rows_dont_match_its_tokens_fails_that_request_only(
     per-request error (HTTP 500 for it alone), what it returned stays aligned, the engine core is
     told to abort it, and the other request of the same batch goes on with its rows."""
     processor, engine = make_processor(tokenizer), FakeEngineCore()
-    add(processor, "a", kind)
-    add(processor, "b", kind)
+    every_step = EVERY_STEP if kind == FINAL_ONLY else {}  # held requests: test_held_...
+    add(processor, "a", kind, **every_step)
+    add(processor, "b", kind, **every_step)
     process(processor, engine.output("a", text_tokens[0:1]), engine.output("b", text_tokens[0:1]))
     result = processor.process_outputs(
         [BAD_OUTPUTS[bad](text_tokens), engine.output("b", text_tokens[1:2])])
@@ -551,8 +628,9 @@ def test_a_speculative_steps_tokens_bring_one_row_each(
     """Outputs with several tokens and their list of rows (speculative decoding) grow the rows
     in lock step, in every output kind; a list one row short fails that request only."""
     processor = make_processor(tokenizer)
-    add(processor, "a", kind)
-    add(processor, "b", kind)
+    every_step = EVERY_STEP if kind == FINAL_ONLY else {}  # held requests: test_held_...
+    add(processor, "a", kind, **every_step)
+    add(processor, "b", kind, **every_step)
     steps = [text_tokens[0:3], text_tokens[3:4], text_tokens[4:6]]
     rows = [[[t, 5000 + t] for t in tokens] for tokens in steps]
     delivered = []

@@ -26,6 +26,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -376,6 +377,90 @@ def test_async_stale_frame_is_dropped_with_its_row(configs: dict[bool, VllmConfi
     tokens, rows = history(steps, "a")
     assert tokens == [11, 13, 14, 15]
     assert rows == [runner.rows[("a", s)] for s in (0, 2, 3, 4)]
+
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
+
+def held_rows(output: EngineCoreOutput) -> list[Row]:
+    """The rows a held request's last output carries (a list of wire rows, one per token)."""
+    assert output.sampling_mask.__class__ is list
+    return rows_mask(output.sampling_mask).token_ids
+
+
+def test_final_only_rows_are_held_until_the_last_output(configs: dict[bool, VllmConfig]) -> None:
+    """FINAL_ONLY without stop strings (``LLM.generate``): no row per step; the last output (EOS
+    or max_tokens) carries every row, in order. A FINAL_ONLY request with stop strings (the
+    frontend may finish it) and a CUMULATIVE one get their row every step."""
+    scheduler = build_scheduler(configs[True])
+    runner = FakeRunner({"a": [11, EOS_TOKEN_ID, 13], "b": [21, 22, 23, 24],
+                         "s": [31, 32, 33], "c": [41, 42, 43]})
+    add_request(scheduler, "a", 5, max_tokens=10, output_kind=FINAL_ONLY)
+    add_request(scheduler, "b", 5, max_tokens=4, output_kind=FINAL_ONLY)
+    add_request(scheduler, "s", 5, max_tokens=3, output_kind=FINAL_ONLY, stop=["x"])
+    add_request(scheduler, "c", 5, max_tokens=3)
+    assert set(scheduler.__dict__["sampling_mask_held"]) == {"a", "b"}
+    steps = run_steps(scheduler, runner, 4)
+
+    for req_id, last in (("a", 1), ("b", 3)):
+        assert all(steps[step][req_id].sampling_mask is None for step in range(last))
+        assert steps[last][req_id].finish_reason is not None
+        assert held_rows(steps[last][req_id]) == [runner.rows[(req_id, s)] for s in range(last + 1)]
+    assert_rows_match_runner([{r: o for r, o in step.items() if r in ("s", "c")} for step in steps],
+                             runner)
+    for req_id in ("s", "c"):
+        assert len(history(steps, req_id)[1]) == 3
+    assert scheduler.__dict__["sampling_mask_held"] == {} and scheduler.requests == {}
+
+
+def test_a_long_held_request_sends_its_rows_every_held_rows(
+    configs: dict[bool, VllmConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A held request sends its rows whenever it has ``HELD_ROWS`` of them, the rest with its
+    last output: no message carries a long rollout's rows at once."""
+    from vllm_sampling_mask.core import scheduler as mask_scheduler
+
+    monkeypatch.setattr(mask_scheduler, "HELD_ROWS", 2)
+    scheduler = build_scheduler(configs[True])
+    runner = FakeRunner({"a": [11, 12, 13, 14, 15]})
+    add_request(scheduler, "a", 5, max_tokens=5, output_kind=FINAL_ONLY)
+    steps = run_steps(scheduler, runner, 5)
+    sent = [held_rows(s["a"]) if s["a"].sampling_mask is not None else None for s in steps]
+    rows = [runner.rows[("a", s)] for s in range(5)]
+    assert sent == [None, rows[0:2], None, rows[2:4], rows[4:5]]
+
+
+def test_an_aborted_held_requests_rows_are_dropped(configs: dict[bool, VllmConfig]) -> None:
+    """A held request aborted mid-generation (client gone): its rows leave the table at the
+    next step; the other held request still gets all of its own."""
+    scheduler = build_scheduler(configs[True])
+    runner = FakeRunner({"a": [11, 12, 13, 14], "b": [21, 22, 23]})
+    add_request(scheduler, "a", 5, max_tokens=4, output_kind=FINAL_ONLY)
+    add_request(scheduler, "b", 5, max_tokens=3, output_kind=FINAL_ONLY)
+    steps = run_steps(scheduler, runner, 2)
+    held = scheduler.__dict__["sampling_mask_held"]
+    assert [len(held[r]) for r in ("a", "b")] == [2, 2]
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    steps += run_steps(scheduler, runner, 1)
+    assert held == {}
+    assert held_rows(steps[2]["b"]) == [runner.rows[("b", s)] for s in range(3)]
+
+
+def test_a_failed_held_request_keeps_its_earlier_rows(
+    configs: dict[bool, VllmConfig], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A held request failed in a step without masks: vLLM's per-request error, and its output
+    carries the rows of the tokens it had before (aligned with what it returns)."""
+    scheduler = build_scheduler(configs[True])
+    runner = FakeRunner({"a": [11, 12, 13]})
+    add_request(scheduler, "a", 5, max_tokens=3, output_kind=FINAL_ONLY)
+    run_steps(scheduler, runner, 2)
+    runner.attach_masks = False
+    failed = run_step(scheduler, runner)["a"]
+    assert (failed.finish_reason, failed.new_token_ids) == (FinishReason.ERROR, [])
+    assert held_rows(failed) == [runner.rows[("a", s)] for s in range(2)]
+    assert "sampling masks lost for request a" in caplog.text
+    assert scheduler.__dict__["sampling_mask_held"] == {}
 
 
 def assert_failed_alone(outputs: Outputs, scheduler: Scheduler, req_id: str) -> None:

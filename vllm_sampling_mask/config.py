@@ -37,6 +37,19 @@ REQUEST_KEY = "return_sampling_mask"
 """Key of ``SamplingParams.extra_args`` by which one request opts in (True) or out (False)."""
 
 
+def rows_held_until_finish(params: Any, resumable: bool) -> bool:
+    """Whether the engine core holds a request's rows and sends them a few hundred at a time
+    and with its last output, instead of one per step: a FINAL_ONLY request (``LLM.generate``,
+    non-streaming HTTP) is handed its mask only at the end, so the frontend, the bound of an
+    engine returning logprobs, need not touch its rows every step. Not for requests with stop
+    strings (the frontend finishes those itself, on text the engine core never sees) or
+    streaming-input sessions (their outputs go on after a finish). Asked with the same
+    ``SamplingParams`` on both sides of the transport, so they agree."""
+    from vllm.sampling_params import RequestOutputKind
+
+    return params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop and not resumable
+
+
 def is_request_choice(value: Any) -> bool:
     """Whether ``value`` is a valid ``extra_args["return_sampling_mask"]``: a bool, or 0 / 1 (the
     OpenAI requests' ``vllm_xargs`` turn JSON booleans into ints)."""

@@ -196,6 +196,13 @@ PATCHES: list[Patch] = [
         process="engine-core",
     ),
     Patch(
+        target="vllm.v1.core.sched.scheduler:Scheduler.add_request",
+        make=f"{_P}.core.scheduler:wrap_add_request",
+        why="A FINAL_ONLY request's rows are held until its last output: its entry in the "
+        "scheduler's table of held rows.",
+        process="engine-core",
+    ),
+    Patch(
         target="vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
         make=f"{_P}.core.scheduler:wrap_update_from_output",
         why="Cut the batch's rows per request by the final, trimmed number of new tokens.",

@@ -7,6 +7,12 @@ the step: one row per request, except in a speculative-decoding step, where a re
 per position it sampled at (draft positions, then the bonus position) and its accepted tokens
 take a prefix of them. Partial prefill chunks produce no tokens and so no rows; requests that
 opted out of masks have a ``None`` row and their outputs carry none.
+
+Rows of a request that ``config.rows_held_until_finish`` (FINAL_ONLY, no stop strings) are kept
+here, in ``Scheduler.sampling_mask_held``, and sent together (a list of rows) with its last
+output, or with the output that brings it to ``HELD_ROWS`` of them (so that no message carries
+a long rollout's rows at once), so the frontend does nothing for them on most steps; an aborted
+request's are dropped at the next step (``SchedulerOutput.finished_req_ids``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,11 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from vllm_sampling_mask.config import SamplingMaskConfig
+from vllm_sampling_mask.config import (
+    SamplingMaskConfig,
+    request_wants_masks,
+    rows_held_until_finish,
+)
 from vllm_sampling_mask.engine.transport import MASK_BUG_HINT, fail_output, outputs_carry_masks
 
 if TYPE_CHECKING:
@@ -24,15 +34,40 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm_sampling_mask")
 
 
+_HELD_ATTR = "sampling_mask_held"
+HELD_ROWS = 256
+"""A held request's rows go out once it has this many (~50 KB at top_k 50), or at its end."""
+
+
 def wrap_init(original: Any) -> Any:
-    """``Scheduler.__init__``: remember the switch."""
+    """``Scheduler.__init__``: remember the switch; a mask engine's scheduler gets the table of
+    held rows (request id -> its rows so far)."""
 
     @functools.wraps(original)
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         original(self, vllm_config, *args, **kwargs)
-        self.__dict__["sampling_mask_enabled"] = SamplingMaskConfig.of(vllm_config).enabled
+        enabled = SamplingMaskConfig.of(vllm_config).enabled
+        self.__dict__["sampling_mask_enabled"] = enabled
+        if enabled:
+            self.__dict__[_HELD_ATTR] = {}
 
     return __init__
+
+
+def wrap_add_request(original: Any) -> Any:
+    """``Scheduler.add_request``: on a mask engine, a request whose rows are held until its last
+    output (``rows_held_until_finish``) gets its (empty) entry in the table."""
+
+    @functools.wraps(original)
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, request, *args, **kwargs)
+        held = self.__dict__.get(_HELD_ATTR)
+        params = request.sampling_params
+        if (held is not None and params is not None and request_wants_masks(params)
+                and rows_held_until_finish(params, request.resumable)):
+            held.setdefault(request.request_id, [])
+
+    return add_request
 
 
 def wrap_update_from_output(original: Any) -> Any:
@@ -51,6 +86,10 @@ def wrap_update_from_output(original: Any) -> Any:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         if not self.__dict__.get("sampling_mask_enabled"):
             return original(self, scheduler_output, model_runner_output)
+        held = self.__dict__[_HELD_ATTR]
+        if held:
+            for req_id in scheduler_output.finished_req_ids:  # aborted (or finished) since
+                held.pop(req_id, None)
         step = getattr(model_runner_output, "sampling_masks", None)
         if step is not None and step.none_wanted:
             return original(self, scheduler_output, model_runner_output)
@@ -59,7 +98,7 @@ def wrap_update_from_output(original: Any) -> Any:
         step_problem = _step_problem(step, len(model_runner_output.req_ids))
         if step_problem is None:
             hand_out = _hand_out_rows if step.groups is None else _hand_out_row_groups
-            failed = hand_out(outputs, step, model_runner_output.req_id_to_index)
+            failed = hand_out(outputs, step, model_runner_output.req_id_to_index, held)
         else:
             failed = [output for engine_core_outputs in outputs.values()
                       for output in engine_core_outputs.outputs if output.new_token_ids]
@@ -70,16 +109,19 @@ def wrap_update_from_output(original: Any) -> Any:
                          "with an error. %s", output.request_id, problem, MASK_BUG_HINT)
             self.finish_requests(output.request_id, RequestStatus.FINISHED_ERROR)
             fail_output(output)
+            # A held request keeps the rows of its earlier tokens (this step's are dropped).
+            output.sampling_mask = held.pop(output.request_id, None) or None
         return outputs
 
     return update_from_output
 
 
-def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks,
-                   index: dict[str, int]) -> list[Any]:
+def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict[str, int],
+                   held: dict[str, list[bytes]]) -> list[Any]:
     """Set ``sampling_mask`` of every output with one new token to its row's bytes (``None``
-    for a request that opted out): the hot loop of a mask engine's engine core, one pass and one
-    bytes object per output. Returns the outputs with several tokens (a bug: one row each)."""
+    for a request that opted out), or add the row to its request's ``held`` rows, all of which
+    its last output carries: the hot loop of a mask engine's engine core, one pass and one bytes
+    object per output. Returns the outputs with several tokens (a bug: one row each)."""
     blob, starts, ends = step.blob, step.starts, step.ends
     sliced_from_view = blob.__class__ is not bytes  # rows expanded on the device
     several: list[Any] = []
@@ -89,29 +131,38 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks,
             if num_new != 1:
                 if num_new:
                     several.append(output)
+                elif held and output.finish_reason is not None:
+                    _send_held_rows(output, held)  # a finish without a token
                 continue  # no token (stale frame, finish only): no row
             r = index[output.request_id]
             start = starts[r]
             if start < 0:
                 output.sampling_mask = None
-            elif sliced_from_view:
-                output.sampling_mask = bytes(blob[start : ends[r]])
+                continue
+            row = bytes(blob[start : ends[r]]) if sliced_from_view else blob[start : ends[r]]
+            rows = held.get(output.request_id)
+            if rows is None:
+                output.sampling_mask = row
             else:
-                output.sampling_mask = blob[start : ends[r]]
+                rows.append(row)
+                if output.finish_reason is not None or len(rows) >= HELD_ROWS:
+                    _send_held_rows(output, held)
     return several
 
 
 def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
-                         index: dict[str, int]) -> list[Any]:
+                         index: dict[str, int], held: dict[str, list[bytes]]) -> list[Any]:
     """``_hand_out_rows`` for a speculative-decoding step: an output with ``n`` new tokens gets
-    the first ``n`` rows of its request's group (``n`` > 1: a list of the rows' bytes). Returns
-    the outputs with more tokens than rows."""
+    the first ``n`` rows of its request's group (``n`` > 1: a list of the rows' bytes), or adds
+    them to its ``held`` rows. Returns the outputs with more tokens than rows."""
     blob, starts, ends, groups = step.blob, step.starts, step.ends, step.groups
     too_many: list[Any] = []
     for engine_core_outputs in outputs.values():
         for output in engine_core_outputs.outputs:
             num_new = len(output.new_token_ids)
             if num_new == 0:
+                if held and output.finish_reason is not None:
+                    _send_held_rows(output, held)
                 continue
             r = index[output.request_id]
             first = groups[r]
@@ -122,8 +173,25 @@ def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
                 output.sampling_mask = None
                 continue
             rows = [bytes(blob[starts[j] : ends[j]]) for j in range(first, first + num_new)]
-            output.sampling_mask = rows[0] if num_new == 1 else rows
+            earlier = held.get(output.request_id)
+            if earlier is None:
+                output.sampling_mask = rows[0] if num_new == 1 else rows
+            else:
+                earlier += rows
+                if output.finish_reason is not None or len(earlier) >= HELD_ROWS:
+                    _send_held_rows(output, held)
     return too_many
+
+
+def _send_held_rows(output: Any, held: dict[str, list[bytes]]) -> None:
+    """``output`` carries its held request's rows so far (a list, one per token); a request
+    that goes on starts a new list."""
+    request_id = output.request_id
+    rows = held.pop(request_id, None) if output.finish_reason is not None else held.get(request_id)
+    if rows:
+        output.sampling_mask = rows
+        if output.finish_reason is None:
+            held[request_id] = []
 
 
 def _step_problem(step: StepSamplingMasks | None, num_batch_rows: int) -> str | None:

@@ -6,6 +6,10 @@ mask is always "the last ``len(token_ids)`` rows": all rows for FINAL_ONLY / CUM
 the rows of the new tokens for DELTA outputs (also when ``stream_interval`` batches several;
 DELTA rows are dropped once handed out). The rows live on vLLM's ``RequestState``, so they are
 freed with it (finish, abort, disconnect).
+
+The engine core holds the rows of most FINAL_ONLY requests (``config.rows_held_until_finish``)
+and sends them a few hundred at a time and with the last output: while only such requests are
+in flight, a step's pass here looks up just the outputs that carry rows or finish.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from array import array
 from typing import Any
 
 from vllm_sampling_mask import patching
-from vllm_sampling_mask.config import REQUEST_KEY, request_wants_masks
+from vllm_sampling_mask.config import REQUEST_KEY, request_wants_masks, rows_held_until_finish
 from vllm_sampling_mask.engine.transport import MASK_BUG_HINT, fail_output, rows_mask
 from vllm_sampling_mask.outputs import SamplingMask
 
@@ -25,6 +29,12 @@ _ROWS_ATTR = "sampling_mask_rows"
 # On a mask engine's OutputProcessor: the ids of the requests given a row list, a superset of
 # those in flight (pruned by process_outputs). Absent: the engine's switch is off.
 _MASK_REQUESTS_ATTR = "sampling_mask_requests"
+# ... and of those whose rows come with every output (not held in the engine core until the end).
+_LOCKSTEP_ATTR = "sampling_mask_lockstep"
+# Calls of the held-rows pass between two prunings of the remembered ids (it looks up only
+# outputs with rows or a finish, so it can't tell that an aborted request is gone).
+PRUNE_EVERY = 64
+_CALLS_ATTR = "sampling_mask_calls"
 COMPLETION_OUTPUT_METHOD = "vllm.v1.engine.output_processor:RequestState._new_completion_output"
 
 
@@ -41,22 +51,27 @@ class RequestMaskRows:
     - DELTA (streamed): each output hands out the rows since the last, so ``pending`` keeps the
       rows' bytes objects as they arrived (no copy per step);
     - FINAL_ONLY (``LLM.generate``, non-streaming ``/inference/v1/generate``): the rows are
-      taken once, at the end (``take_last``). ``pending`` keeps them as they arrived and every
-      ``COMPACT_ROWS`` of them are joined into one block of ``blocks`` (their lengths in
-      ``lengths``): ~4 bytes per kept id, and no buffer that grows by a row a step (one per
-      request, re-allocated and copied as it grows);
+      taken once, at the end (``take_last``). They arrive one a step (stop strings) or, where
+      the engine core holds them (``held``), a few hundred at a time and at the end; ``pending``
+      keeps them as they came and every ``COMPACT_ROWS`` or more of them are joined into one
+      block of ``blocks`` (their lengths in ``lengths``): ~4 bytes per kept id, and no buffer
+      that grows by a row a step (one per request, re-allocated and copied as it grows);
     - CUMULATIVE (other non-streaming outputs): one growing buffer of ids (``blob``) and one
       length per row; every output gets ``live()``, a mask over these buffers that grows with
       the request, as the detokenizer's token list handed out with it does.
     """
 
-    __slots__ = ("lengths", "blob", "pending", "blocks")
+    __slots__ = ("lengths", "blob", "pending", "blocks", "held")
 
-    def __init__(self, streaming: bool = False, final_only: bool = False) -> None:
+    def __init__(self, streaming: bool = False, final_only: bool = False,
+                 held: bool = False) -> None:
+        if held and not final_only:
+            raise ValueError("only a FINAL_ONLY request's rows are held until its end")
         self.lengths = array("i")  # ids per row (FINAL_ONLY: per row of ``blocks``)
         self.blob = bytearray()  # CUMULATIVE: every row's ids, concatenated
         self.pending: list[bytes] | None = [] if streaming or final_only else None
         self.blocks: list[bytes] | None = [] if final_only else None
+        self.held = held  # the engine core sends the rows with the request's last output
 
     def __len__(self) -> int:
         if self.pending is None:
@@ -75,9 +90,15 @@ class RequestMaskRows:
             self.compact()
 
     def extend(self, rows: list[bytes]) -> None:
-        """Add several tokens' wire rows (a speculative-decoding step)."""
-        for row in rows:
-            self.append(row)
+        """Add several tokens' wire rows (a speculative-decoding step; a held request's all)."""
+        pending = self.pending
+        if pending is None:
+            for row in rows:
+                self.append(row)
+            return
+        pending.extend(rows)
+        if len(pending) >= COMPACT_ROWS and self.blocks is not None:
+            self.compact()
 
     def compact(self) -> None:
         """FINAL_ONLY: join the pending rows into one block."""
@@ -85,6 +106,14 @@ class RequestMaskRows:
         self.lengths.extend([len(row) >> 2 for row in pending])
         self.blocks.append(b"".join(pending))
         pending.clear()
+
+    def drop(self) -> None:
+        """Forget every row held (a request failed for a lost or an extra row)."""
+        self.lengths, self.blob = array("i"), bytearray()
+        if self.pending is not None:
+            self.pending = []
+        if self.blocks is not None:
+            self.blocks = []
 
     def live(self) -> SamplingMask:
         """All rows so far, and every row appended later (CUMULATIVE outputs: a request's
@@ -118,9 +147,10 @@ class RequestMaskRows:
         return SamplingMask.from_wire(lengths[dropped:], bytes(memoryview(blob)[start:]))
 
 
-def mask_rows_of(state: Any) -> RequestMaskRows:
+def mask_rows_of(state: Any, held: bool = False) -> RequestMaskRows:
     """The row list of a mask engine's request state, made on first use together with the
-    state's own ``_new_completion_output`` that attaches the rows (other states keep vLLM's)."""
+    state's own ``_new_completion_output`` that attaches the rows (other states keep vLLM's).
+    ``held``: the engine core sends the rows with the last output (FINAL_ONLY only)."""
     holder = state.__dict__.get(_ROWS_ATTR)
     if holder is None:
         from vllm.sampling_params import RequestOutputKind
@@ -128,17 +158,18 @@ def mask_rows_of(state: Any) -> RequestMaskRows:
         kind = getattr(state, "output_kind", None)
         holder = state.__dict__[_ROWS_ATTR] = RequestMaskRows(
             streaming=kind is RequestOutputKind.DELTA,
-            final_only=kind is RequestOutputKind.FINAL_ONLY)
+            final_only=kind is RequestOutputKind.FINAL_ONLY, held=held)
         patching.patch_instance(COMPLETION_OUTPUT_METHOD, state)
     return holder
 
 
 def enable_masks(processor: Any, enabled: bool) -> None:
     """Switch an ``OutputProcessor`` to a mask engine's (called once, as its engine is built)."""
+    for attr in (_MASK_REQUESTS_ATTR, _LOCKSTEP_ATTR, _CALLS_ATTR):
+        processor.__dict__.pop(attr, None)
     if enabled:
-        processor.__dict__[_MASK_REQUESTS_ATTR] = set()
-    else:
-        processor.__dict__.pop(_MASK_REQUESTS_ATTR, None)
+        processor.__dict__.update({_MASK_REQUESTS_ATTR: set(), _LOCKSTEP_ATTR: set(),
+                                   _CALLS_ATTR: 0})
 
 
 def wrap_add_request(original: Any) -> Any:
@@ -171,22 +202,27 @@ def wrap_add_request(original: Any) -> Any:
         if wants:
             state = self.request_states.get(request.request_id)
             if state is not None:
-                mask_rows_of(state)
+                held = rows_held_until_finish(params, request.resumable)
+                mask_rows_of(state, held)
                 mask_requests.add(request.request_id)
+                if not held:
+                    self.__dict__[_LOCKSTEP_ATTR].add(request.request_id)
 
     return add_request
 
 
 def wrap_process_outputs(original: Any) -> Any:
-    """``OutputProcessor.process_outputs``: append each output's row before vLLM builds outputs.
+    """``OutputProcessor.process_outputs``: add each output's rows before vLLM builds outputs.
 
-    An output of a request with a row list must carry one row per new token (several only from
-    a speculative-decoding step), so rows and token ids grow in lock step. One that does not (a
-    bug: a lost or an extra row) fails that request alone: vLLM's per-request error
-    (``fail_output``, logged), the request aborted in the engine core; the others of the batch
-    are served as usual. Rows sent for a request that asked for none are not attached to it, so
-    a step while no request with a row list is in flight is vLLM's alone (no pass over its
-    outputs: what opted-out traffic costs stock).
+    A request whose rows come every step must get one row per new token (several only from a
+    speculative-decoding step), so rows and token ids grow in lock step; a request whose rows
+    the engine core holds (``RequestMaskRows.held``) must have a row per token once it
+    finishes. A request that breaks this (a bug: a lost or an extra row) fails alone: vLLM's
+    per-request error (``fail_output``, logged), the request aborted in the engine core; the
+    others of the batch are served as usual. Rows sent for a request that asked for none are not
+    attached to it, so a step while no request with a row list is in flight is vLLM's alone (no
+    pass over its outputs: what opted-out traffic costs stock); while only held requests are,
+    the pass reads two fields of each output and looks up only those with rows or a finish.
     """
 
     @functools.wraps(original)
@@ -194,54 +230,123 @@ def wrap_process_outputs(original: Any) -> Any:
         mask_requests = self.__dict__.get(_MASK_REQUESTS_ATTR)
         if not mask_requests:  # switch off, or no request with a row list in flight
             return original(self, engine_core_outputs, *args, **kwargs)
-        states = self.request_states
-        to_abort: list[str] = []
-        held = False
-        for output in engine_core_outputs:
-            state = states.get(output.request_id)
-            if state is None:
-                continue
-            holder = state.__dict__.get(_ROWS_ATTR)
-            if holder is None:
-                continue
-            held = True
-            row = getattr(output, "sampling_mask", None)
-            num_new = len(output.new_token_ids)
-            if row is not None:
-                if num_new == 1:
-                    pending = holder.pending
-                    if pending is None:
-                        holder.append(row)
-                    else:  # streamed or FINAL_ONLY (every step): append's work, inlined
-                        pending.append(row)
-                        if len(pending) >= COMPACT_ROWS and holder.blocks is not None:
-                            holder.compact()
-                    continue
-                if row.__class__ is list and len(row) == num_new:
-                    holder.extend(row)  # a speculative step's tokens
-                    continue
-            elif num_new == 0:
-                continue
-            num_rows = 0 if row is None else len(row) if row.__class__ is list else 1
-            logger.error(
-                "sampling mask of request %s: an output with %d token(s) carries %d row(s); the "
-                "request is finished with an error. %s", output.request_id, num_new, num_rows,
-                MASK_BUG_HINT)
-            if not output.finished:
-                to_abort.append(output.request_id)
-            state.streaming_input = False  # a failed streaming-input session ends too
-            fail_output(output)
-        if not held:
-            # None of these outputs had a row list: forget the requests that finished or were
-            # aborted since, so that steps of opted-out requests alone skip the pass above. (By
-            # the remembered ids, not the states: AsyncLLM hands a step over in chunks, and a
-            # chunk of opted-out outputs beside masked traffic must not cost a pass over all.)
-            mask_requests.difference_update([rid for rid in mask_requests if rid not in states])
+        if self.__dict__[_LOCKSTEP_ATTR]:
+            to_abort = _take_rows_every_step(self, engine_core_outputs, mask_requests)
+        else:
+            to_abort = _take_held_rows(self, engine_core_outputs, mask_requests)
         result = original(self, engine_core_outputs, *args, **kwargs)
-        result.reqs_to_abort.extend(to_abort)
+        if to_abort:
+            result.reqs_to_abort.extend(to_abort)
         return result
 
     return process_outputs
+
+
+def _take_rows_every_step(processor: Any, outputs: list[Any], mask_requests: set[str]) -> list[str]:
+    """The pass while a request whose rows come every step is in flight: every output's request
+    is looked up. Returns the ids of the requests failed here that the engine core still runs."""
+    states = processor.request_states
+    to_abort: list[str] = []
+    lockstep_seen = False
+    for output in outputs:
+        state = states.get(output.request_id)
+        if state is None:
+            continue
+        holder = state.__dict__.get(_ROWS_ATTR)
+        if holder is None:
+            continue
+        row = getattr(output, "sampling_mask", None)
+        if holder.held:
+            if row is not None or output.finish_reason is not None:
+                _take_held_output(holder, state, output, row, to_abort)
+            continue
+        lockstep_seen = True
+        num_new = len(output.new_token_ids)
+        if row is not None:
+            if num_new == 1:
+                pending = holder.pending
+                if pending is None:
+                    holder.append(row)
+                else:  # streamed or FINAL_ONLY (every step): append's work, inlined
+                    pending.append(row)
+                    if len(pending) >= COMPACT_ROWS and holder.blocks is not None:
+                        holder.compact()
+                continue
+            if row.__class__ is list and len(row) == num_new:
+                holder.extend(row)  # a speculative step's tokens
+                continue
+        elif num_new == 0:
+            continue
+        num_rows = 0 if row is None else len(row) if row.__class__ is list else 1
+        _fail(state, output, f"an output with {num_new} token(s) carries {num_rows} row(s)",
+              to_abort)
+    if not lockstep_seen:
+        # None of these outputs had rows every step: forget the requests that finished or were
+        # aborted since, so that steps of opted-out (or held) requests alone skip this pass. (By
+        # the remembered ids, not the states: AsyncLLM hands a step over in chunks, and a chunk
+        # of opted-out outputs beside masked traffic must not cost a pass over all.)
+        _forget_finished(processor, mask_requests)
+    return to_abort
+
+
+def _take_held_rows(processor: Any, outputs: list[Any], mask_requests: set[str]) -> list[str]:
+    """The pass while every request with a row list in flight is held: only outputs that carry
+    rows or finish are looked up."""
+    to_abort: list[str] = []
+    states = None
+    for output in outputs:
+        row = getattr(output, "sampling_mask", None)
+        if row is None and output.finish_reason is None:
+            continue
+        if states is None:
+            states = processor.request_states
+        state = states.get(output.request_id)
+        if state is None:
+            continue
+        holder = state.__dict__.get(_ROWS_ATTR)
+        if holder is not None:
+            _take_held_output(holder, state, output, row, to_abort)
+    calls = processor.__dict__[_CALLS_ATTR] + 1
+    if calls >= PRUNE_EVERY:
+        calls = 0
+        _forget_finished(processor, mask_requests)
+    processor.__dict__[_CALLS_ATTR] = calls
+    return to_abort
+
+
+def _take_held_output(holder: RequestMaskRows, state: Any, output: Any, row: Any,
+                      to_abort: list[str]) -> None:
+    """Add the rows a held request's output carries; at its finish, check that it has a row
+    per token."""
+    if row is not None:
+        if row.__class__ is list:
+            holder.extend(row)
+        else:  # one row: a step the engine core sent as it came
+            holder.append(row)
+    if output.finish_reason is None:
+        return
+    num_tokens = state.detokenizer.num_output_tokens() + len(output.new_token_ids)
+    if len(holder) != num_tokens:
+        _fail(state, output, f"it finished after {num_tokens} token(s) with {len(holder)} row(s)",
+              to_abort)
+        holder.drop()  # its completion gets no mask
+
+
+def _fail(state: Any, output: Any, problem: str, to_abort: list[str]) -> None:
+    """Finish ``output``'s request with vLLM's per-request error; its rows can't be trusted."""
+    logger.error("sampling mask of request %s: %s; the request is finished with an error. %s",
+                 output.request_id, problem, MASK_BUG_HINT)
+    if not output.finished:
+        to_abort.append(output.request_id)
+    state.streaming_input = False  # a failed streaming-input session ends too
+    fail_output(output)
+
+
+def _forget_finished(processor: Any, mask_requests: set[str]) -> None:
+    """Drop the remembered ids whose request state is gone (finished, aborted)."""
+    states = processor.request_states
+    for ids in (mask_requests, processor.__dict__[_LOCKSTEP_ATTR]):
+        ids.difference_update([rid for rid in ids if rid not in states])
 
 
 def wrap_new_completion_output(original: Any) -> Any:
@@ -265,8 +370,10 @@ def wrap_new_completion_output(original: Any) -> Any:
             return completion
         num_tokens = len(completion.token_ids)  # == the rows held: process_outputs checks
         if self.output_kind is not cumulative:
-            # DELTA: the new tokens' rows; FINAL_ONLY: all rows (built once, at the end).
-            completion.sampling_mask = holder.take_last(num_tokens)
+            # DELTA: the new tokens' rows; FINAL_ONLY: all rows (built once, at the end). A held
+            # request failed for a missing row has fewer rows than tokens: no mask.
+            completion.sampling_mask = (holder.take_last(num_tokens)
+                                        if len(holder) >= num_tokens else None)
             return completion
         # CUMULATIVE outputs hand out the detokenizer's live token list, which keeps growing
         # after the output is returned: hand out the live rows the same way so the two stay
