@@ -210,16 +210,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     update = wrap_update_from_output(lambda self, sched_out, runner_out: self.pending)
     runner_output = SimpleNamespace(sampling_masks=step, req_id_to_index=index, req_ids=request_ids)
+    sched_output = SimpleNamespace(finished_req_ids=set())
 
     def scheduler_setup(held: bool = False) -> Any:
         # held: FINAL_ONLY requests, whose rows stay in the scheduler until their last output
         return Stub(sampling_mask_enabled=True, pending=scheduler_outputs(),
-                    sampling_mask_held={rid: [] for rid in request_ids} if held else {})
+                    sampling_mask_held={rid: [] for rid in request_ids} if held else {},
+                    sampling_mask_steps=0)
 
-    timed("scheduler", lambda sched: update(sched, None, runner_output), scheduler_setup)
-    timed("scheduler_held", lambda sched: update(sched, None, runner_output),
+    timed("scheduler", lambda sched: update(sched, sched_output, runner_output), scheduler_setup)
+    timed("scheduler_held", lambda sched: update(sched, sched_output, runner_output),
           lambda: scheduler_setup(held=True))
-    with_masks = update(scheduler_setup(), None, runner_output)[0]
+    with_masks = update(scheduler_setup(), sched_output, runner_output)[0]
     without_masks = EngineCoreOutputs(outputs=[EngineCoreOutput(rid, [tok])
                                                for rid, tok in zip(request_ids, tokens)])
 

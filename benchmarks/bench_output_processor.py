@@ -20,13 +20,14 @@ Two modes in one process, in lock step (``run_round``), the plugin's patches app
   sends them, decoded by its decoder (``EngineCoreOutputsWithMasks``), a processor with masks
   on; each request's ``CompletionOutput.sampling_mask`` is attached at its end (not read).
   ``--rows held`` (default): the rows of these FINAL_ONLY requests are held in the engine core
-  and come ``HELD_ROWS`` at a time and with the last output; ``--rows every_step``: every output
+  and come every ``HELD_STEPS`` steps and with the last output; ``--rows every_step``: every output
   carries its token's row, as for a FINAL_ONLY request with stop strings (which the requests of
   both modes then have).
 
-Reported per round: each mode's thread CPU time per step and the collector's share of it, and
-stock/on of the CPU time without the collector's (the headline: a frontend-bound engine's
-on/stock throughput, as far as the frontend's own work goes) and with it. The engine core's
+Reported per round: each mode's thread CPU time per step and stock/on of it (the headline: a
+frontend-bound engine's on/stock throughput, as far as the frontend's own work goes), with the
+collector off while the modes are timed (``--collector off``, the default; see ``run_round``),
+or on, its share counted apart (then also stock/on without that share). The engine core's
 frames are built before the round (their cost is the engine core's: ``bench_host_overhead.py``).
 The tokenizer is the tiny model's (a BPE trained on a small corpus, at most
 ``--tokenizer-vocab`` ids), token ids random.
@@ -68,6 +69,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=50, help="Ids per mask row.")
     parser.add_argument("--rows", choices=("held", "every_step"), default="held",
                         help="How the engine core sends the rows (see the module docstring).")
+    parser.add_argument("--collector", choices=("off", "on"), default="off",
+                        help="Python's cyclic collector while the modes are timed (run_round).")
     parser.add_argument("--block", type=int, default=16,
                         help="Steps each mode runs before the other takes its turn.")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -85,7 +88,7 @@ class RoundInputs:
         from vllm.v1.outputs import LogprobsLists
         from vllm.v1.serial_utils import MsgpackEncoder
 
-        from vllm_sampling_mask.core.scheduler import HELD_ROWS
+        from vllm_sampling_mask.core.scheduler import HELD_STEPS
         from vllm_sampling_mask.engine.transport import (
             EngineCoreOutputsWithMasks,
             EngineCoreOutputWithMask,
@@ -114,7 +117,7 @@ class RoundInputs:
                 row_bytes = row.astype("<i4").tobytes()
                 if args.rows == "held":
                     held[r].append(row_bytes)
-                    rows, sent = held[r], finish is not None or len(held[r]) >= HELD_ROWS
+                    rows, sent = held[r], finish is not None or (t + 1) % HELD_STEPS == 0
                     row_bytes = rows if sent else None
                     if sent:
                         held[r] = []
@@ -160,11 +163,15 @@ def run_round(inputs: RoundInputs, args: argparse.Namespace, tokenizer: Any,
     two modes' request-state classes alternate 256 outputs at a time, and CPython's specialised
     attribute lookups, re-made at every switch, would cost both; an engine runs one mode.)
 
-    The collector's time is counted apart, by the mode it ran in. A full collection walks every
-    tracked object of the process (~600k with vLLM, transformers and torch loaded; ~0.35 s on
-    the dev machine), and which mode it lands in follows the allocation sequence, not what
-    the mode allocated (the same inputs put it in the same mode every round; both modes keep
-    the same tracked objects): compare the modes without it.
+    The collector is off while the modes run (``--collector off``; a full collection after the
+    round). A full collection walks every tracked object of the process (~600k with vLLM,
+    transformers and torch loaded; ~0.35 s on the dev machine), and which mode it lands in
+    follows the process's allocation sequence, not what the mode allocated: two modes in one
+    process put it in ``on`` 3 times a round to ``stock``'s once (dev machine and H200 host),
+    where each mode alone in its own process collects as often as the other (5 and 6 times in
+    768 steps, dev machine). Its time can be counted apart (``--collector on``: callbacks, by
+    the mode it ran in), but not the slower work after it (caches it emptied), which then
+    lands on ``on`` too.
 
     Returns ``{mode: {"cpu_ms_per_step", "gc_ms_per_step", "full_collections"}}``.
     """
@@ -184,6 +191,8 @@ def run_round(inputs: RoundInputs, args: argparse.Namespace, tokenizer: Any,
 
     gc.collect()  # every round starts from the same collector state
     gc.callbacks.append(record)
+    if args.collector == "off":
+        gc.disable()
     try:
         for block, first in enumerate(range(0, args.tokens, args.block)):
             for mode in MODES if block % 2 == 0 else MODES[::-1]:
@@ -195,6 +204,7 @@ def run_round(inputs: RoundInputs, args: argparse.Namespace, tokenizer: Any,
                         outputs.outputs, outputs.timestamp).request_outputs
                 cpu_ns[mode] += time.thread_time_ns() - cpu0
     finally:
+        gc.enable()
         gc.callbacks.remove(record)
     for mode in MODES:
         completions = [o.outputs[0] for o in finished[mode]]
@@ -264,8 +274,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"\n{args.requests} requests x {args.tokens} tokens, logprobs {args.logprobs}, rows of "
           f"{args.top_k} ids ({args.rows}); frontend CPU per step (median round): stock "
           f"{med['stock']['cpu_ms_per_step']:.3f} ms, on {med['on']['cpu_ms_per_step']:.3f} ms")
-    for key, label in (("without_gc", "without the collector's"),
-                       ("all", "with the collector's, where it landed")):
+    lines = ((("all", "the collector off while timed"),) if args.collector == "off" else
+             (("without_gc", "without the collector's"),
+              ("all", "with the collector's, where it landed")))
+    for key, label in lines:
         r = ratio[key]
         print(f"stock/on ({label}; a frontend-bound engine's on/stock throughput), median "
               f"round [min, max]: {r['median']:.4f} [{r['min']:.4f}, {r['max']:.4f}]")

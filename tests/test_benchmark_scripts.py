@@ -24,7 +24,8 @@ def test_host_overhead_smoke_run(subprocess_env: dict[str, str], tmp_path: Path)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     report = json.loads(out.read_text())
     assert set(report["per_process_ms"]) == {"engine_core", "frontend"}
-    assert {"unpack", "unpack_overflow", "scheduler", "frontend", "attach"} <= set(report["results"])
+    assert {"unpack", "unpack_overflow", "scheduler", "scheduler_held", "frontend", "frontend_held",
+            "attach"} <= set(report["results"])
     assert report["target_met"] is None  # --small: fewer requests than the targets' 512
 
 

@@ -71,7 +71,7 @@ class FakeEngineCore:
     sent_rows: dict[str, list[Row]] = field(default_factory=dict)
     with_masks: bool = True
     held: dict[str, list[Row]] = field(default_factory=dict)
-    held_rows: int = 256  # a held request's rows go out once it has this many (HELD_ROWS)
+    held_rows: int = 256  # rows go out once a request has this many (HELD_STEPS, one a step)
 
     def row(self, request_id: str, token: int) -> Row:
         """Row of the request's next token: ``k`` is 1, 2, 3, 1, ... in order of first output."""

@@ -413,14 +413,14 @@ def test_final_only_rows_are_held_until_the_last_output(configs: dict[bool, Vllm
     assert scheduler.__dict__["sampling_mask_held"] == {} and scheduler.requests == {}
 
 
-def test_a_long_held_request_sends_its_rows_every_held_rows(
+def test_a_long_held_request_sends_its_rows_every_held_steps(
     configs: dict[bool, VllmConfig], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A held request sends its rows whenever it has ``HELD_ROWS`` of them, the rest with its
-    last output: no message carries a long rollout's rows at once."""
+    """Held rows go out every ``HELD_STEPS`` steps, the rest with the last output: no message
+    carries a long rollout's rows at once."""
     from vllm_sampling_mask.core import scheduler as mask_scheduler
 
-    monkeypatch.setattr(mask_scheduler, "HELD_ROWS", 2)
+    monkeypatch.setattr(mask_scheduler, "HELD_STEPS", 2)
     scheduler = build_scheduler(configs[True])
     runner = FakeRunner({"a": [11, 12, 13, 14, 15]})
     add_request(scheduler, "a", 5, max_tokens=5, output_kind=FINAL_ONLY)

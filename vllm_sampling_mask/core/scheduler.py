@@ -10,9 +10,9 @@ opted out of masks have a ``None`` row and their outputs carry none.
 
 Rows of a request that ``config.rows_held_until_finish`` (FINAL_ONLY, no stop strings) are kept
 here, in ``Scheduler.sampling_mask_held``, and sent together (a list of rows) with its last
-output, or with the output that brings it to ``HELD_ROWS`` of them (so that no message carries
-a long rollout's rows at once), so the frontend does nothing for them on most steps; an aborted
-request's are dropped at the next step (``SchedulerOutput.finished_req_ids``).
+output and every ``HELD_STEPS`` steps (so that no message carries a long rollout's rows at once),
+so the frontend does nothing for them on most steps; an aborted request's are dropped at the
+next step (``SchedulerOutput.finished_req_ids``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ logger = logging.getLogger("vllm_sampling_mask")
 
 
 _HELD_ATTR = "sampling_mask_held"
-HELD_ROWS = 256
-"""A held request's rows go out once it has this many (~50 KB at top_k 50), or at its end."""
+_STEPS_ATTR = "sampling_mask_steps"
+HELD_STEPS = 256
+"""Held rows go out every this many steps (<= 256 rows a request, ~50 KB at top_k 50; more under
+speculative decoding), and with each request's last output."""
 
 
 def wrap_init(original: Any) -> Any:
@@ -50,6 +52,7 @@ def wrap_init(original: Any) -> Any:
         self.__dict__["sampling_mask_enabled"] = enabled
         if enabled:
             self.__dict__[_HELD_ATTR] = {}
+            self.__dict__[_STEPS_ATTR] = 0  # steps that handed out rows, for HELD_STEPS
 
     return __init__
 
@@ -97,8 +100,10 @@ def wrap_update_from_output(original: Any) -> Any:
             outputs = original(self, scheduler_output, model_runner_output)
         step_problem = _step_problem(step, len(model_runner_output.req_ids))
         if step_problem is None:
+            steps = self.__dict__[_STEPS_ATTR] = self.__dict__[_STEPS_ATTR] + 1
             hand_out = _hand_out_rows if step.groups is None else _hand_out_row_groups
-            failed = hand_out(outputs, step, model_runner_output.req_id_to_index, held)
+            failed = hand_out(outputs, step, model_runner_output.req_id_to_index, held,
+                              steps % HELD_STEPS == 0)
         else:
             failed = [output for engine_core_outputs in outputs.values()
                       for output in engine_core_outputs.outputs if output.new_token_ids]
@@ -117,11 +122,12 @@ def wrap_update_from_output(original: Any) -> Any:
 
 
 def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict[str, int],
-                   held: dict[str, list[bytes]]) -> list[Any]:
+                   held: dict[str, list[bytes]], flush: bool) -> list[Any]:
     """Set ``sampling_mask`` of every output with one new token to its row's bytes (``None``
-    for a request that opted out), or add the row to its request's ``held`` rows, all of which
-    its last output carries: the hot loop of a mask engine's engine core, one pass and one bytes
-    object per output. Returns the outputs with several tokens (a bug: one row each)."""
+    for a request that opted out), or add the row to its request's ``held`` rows, which its
+    last output carries, and every output of a ``flush`` step: the hot loop of a mask engine's
+    engine core, one pass and one bytes object per output. Returns the outputs with several
+    tokens (a bug: one row each)."""
     blob, starts, ends = step.blob, step.starts, step.ends
     sliced_from_view = blob.__class__ is not bytes  # rows expanded on the device
     several: list[Any] = []
@@ -134,24 +140,26 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict
                 elif held and output.finish_reason is not None:
                     _send_held_rows(output, held)  # a finish without a token
                 continue  # no token (stale frame, finish only): no row
-            r = index[output.request_id]
+            request_id = output.request_id
+            r = index[request_id]
             start = starts[r]
             if start < 0:
                 output.sampling_mask = None
                 continue
             row = bytes(blob[start : ends[r]]) if sliced_from_view else blob[start : ends[r]]
-            rows = held.get(output.request_id)
+            rows = held.get(request_id) if held else None
             if rows is None:
                 output.sampling_mask = row
             else:
                 rows.append(row)
-                if output.finish_reason is not None or len(rows) >= HELD_ROWS:
+                if flush or output.finish_reason is not None:
                     _send_held_rows(output, held)
     return several
 
 
 def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
-                         index: dict[str, int], held: dict[str, list[bytes]]) -> list[Any]:
+                         index: dict[str, int], held: dict[str, list[bytes]],
+                         flush: bool) -> list[Any]:
     """``_hand_out_rows`` for a speculative-decoding step: an output with ``n`` new tokens gets
     the first ``n`` rows of its request's group (``n`` > 1: a list of the rows' bytes), or adds
     them to its ``held`` rows. Returns the outputs with more tokens than rows."""
@@ -178,7 +186,7 @@ def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
                 output.sampling_mask = rows[0] if num_new == 1 else rows
             else:
                 earlier += rows
-                if output.finish_reason is not None or len(earlier) >= HELD_ROWS:
+                if flush or output.finish_reason is not None:
                     _send_held_rows(output, held)
     return too_many
 

@@ -8,8 +8,8 @@ DELTA rows are dropped once handed out). The rows live on vLLM's ``RequestState`
 freed with it (finish, abort, disconnect).
 
 The engine core holds the rows of most FINAL_ONLY requests (``config.rows_held_until_finish``)
-and sends them a few hundred at a time and with the last output: while only such requests are
-in flight, a step's pass here looks up just the outputs that carry rows or finish.
+and sends them every 256 steps and with the last output: while only such requests are in
+flight, a step's pass here looks up just the outputs that carry rows or finish.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class RequestMaskRows:
       rows' bytes objects as they arrived (no copy per step);
     - FINAL_ONLY (``LLM.generate``, non-streaming ``/inference/v1/generate``): the rows are
       taken once, at the end (``take_last``). They arrive one a step (stop strings) or, where
-      the engine core holds them (``held``), a few hundred at a time and at the end; ``pending``
+      the engine core holds them (``held``), every 256 steps and at the end; ``pending``
       keeps them as they came and every ``COMPACT_ROWS`` or more of them are joined into one
       block of ``blocks`` (their lengths in ``lengths``): ~4 bytes per kept id, and no buffer
       that grows by a row a step (one per request, re-allocated and copied as it grows);
@@ -71,7 +71,7 @@ class RequestMaskRows:
         self.blob = bytearray()  # CUMULATIVE: every row's ids, concatenated
         self.pending: list[bytes] | None = [] if streaming or final_only else None
         self.blocks: list[bytes] | None = [] if final_only else None
-        self.held = held  # the engine core sends the rows with the request's last output
+        self.held = held  # the engine core sends the rows every 256 steps and at the end
 
     def __len__(self) -> int:
         if self.pending is None:
@@ -150,7 +150,8 @@ class RequestMaskRows:
 def mask_rows_of(state: Any, held: bool = False) -> RequestMaskRows:
     """The row list of a mask engine's request state, made on first use together with the
     state's own ``_new_completion_output`` that attaches the rows (other states keep vLLM's).
-    ``held``: the engine core sends the rows with the last output (FINAL_ONLY only)."""
+    ``held``: the engine core holds the rows, sent every 256 steps and with the last output
+    (FINAL_ONLY only)."""
     holder = state.__dict__.get(_ROWS_ATTR)
     if holder is None:
         from vllm.sampling_params import RequestOutputKind
@@ -292,14 +293,12 @@ def _take_rows_every_step(processor: Any, outputs: list[Any], mask_requests: set
 def _take_held_rows(processor: Any, outputs: list[Any], mask_requests: set[str]) -> list[str]:
     """The pass while every request with a row list in flight is held: only outputs that carry
     rows or finish are looked up."""
+    states = processor.request_states
     to_abort: list[str] = []
-    states = None
     for output in outputs:
         row = getattr(output, "sampling_mask", None)
         if row is None and output.finish_reason is None:
             continue
-        if states is None:
-            states = processor.request_states
         state = states.get(output.request_id)
         if state is None:
             continue
