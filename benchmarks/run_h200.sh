@@ -8,6 +8,9 @@
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh verify
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh engine
 #     bash .vscripts/setup.sh && source .vscripts/env.sh && bash benchmarks/run_h200.sh http
+# To wait in a call for models built in the background by an earlier one, match the script with
+# a pattern that does not match the waiting command itself: `while pgrep -f "[m]ake_models.py"`
+# (a plain `pgrep -f make_models.py` finds the call's own shell and waits out the call's limit).
 #
 #   jit       FlashInfer's JIT (sampling + top-k kernels: 4-8 min on a new machine, cached in
 #             ~/.cache/flashinfer for the next calls on the same machine), the two libraries
