@@ -194,12 +194,11 @@ def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
 def _send_held_rows(output: Any, held: dict[str, list[bytes]]) -> None:
     """``output`` carries its held request's rows so far (a list, one per token); a request
     that goes on starts a new list."""
-    request_id = output.request_id
-    rows = held.pop(request_id, None) if output.finish_reason is not None else held.get(request_id)
+    rows = held.pop(output.request_id, None)
+    if rows is not None and output.finish_reason is None:
+        held[output.request_id] = []
     if rows:
         output.sampling_mask = rows
-        if output.finish_reason is None:
-            held[request_id] = []
 
 
 def _step_problem(step: StepSamplingMasks | None, num_batch_rows: int) -> str | None:
