@@ -297,6 +297,12 @@ def test_final_only_rows_read_as_one_sequence() -> None:
     held.extend([mask_row(row) for row in rows[3:]])
     assert len(held) == len(rows) and len(held.blocks) == 1 and held.pending == []
     assert held.take_last(len(rows)).token_ids == rows and len(held) == 0
+    # The last rows (taken next) stay unjoined until then: one join of blocks and rows.
+    held.extend([mask_row(row) for row in rows[:COMPACT_ROWS]])
+    held.extend([mask_row(row) for row in rows[COMPACT_ROWS:]], compact=False)
+    assert len(held.blocks) == 1 and len(held.pending) == len(rows) - COMPACT_ROWS
+    assert held.snapshot_last(2).token_ids == rows[-2:]
+    assert held.take_last(len(rows)).token_ids == rows and len(held) == 0
     with pytest.raises(ValueError, match="FINAL_ONLY"):
         RequestMaskRows(streaming=True, held=True)
 

@@ -89,15 +89,17 @@ class RequestMaskRows:
         if len(pending) >= COMPACT_ROWS and self.blocks is not None:
             self.compact()
 
-    def extend(self, rows: list[bytes]) -> None:
-        """Add several tokens' wire rows (a speculative-decoding step; a held request's all)."""
+    def extend(self, rows: list[bytes], compact: bool = True) -> None:
+        """Add several tokens' wire rows (a speculative-decoding step; a held request's, every
+        256 steps and at the end). ``compact=False``: the request's last rows, taken next (one
+        join there, not two)."""
         pending = self.pending
         if pending is None:
             for row in rows:
                 self.append(row)
             return
         pending.extend(rows)
-        if len(pending) >= COMPACT_ROWS and self.blocks is not None:
+        if compact and len(pending) >= COMPACT_ROWS and self.blocks is not None:
             self.compact()
 
     def compact(self) -> None:
@@ -143,6 +145,8 @@ class RequestMaskRows:
         else:
             lengths, blob = self.lengths.tolist(), self.blob
         dropped = len(lengths) - num_rows
+        if not dropped and blob.__class__ is bytes:  # a FINAL_ONLY request's join: no copy
+            return SamplingMask.from_wire(lengths, blob)
         start = 4 * sum(lengths[:dropped]) if dropped else 0
         return SamplingMask.from_wire(lengths[dropped:], bytes(memoryview(blob)[start:]))
 
@@ -317,12 +321,13 @@ def _take_held_output(holder: RequestMaskRows, state: Any, output: Any, row: Any
                       to_abort: list[str]) -> None:
     """Add the rows a held request's output carries; at its finish, check that it has a row
     per token."""
+    finishing = output.finish_reason is not None
     if row is not None:
         if row.__class__ is list:
-            holder.extend(row)
+            holder.extend(row, compact=not finishing)
         else:  # one row: a step the engine core sent as it came
             holder.append(row)
-    if output.finish_reason is None:
+    if not finishing:
         return
     num_tokens = state.detokenizer.num_output_tokens() + len(output.new_token_ids)
     if len(holder) != num_tokens:
