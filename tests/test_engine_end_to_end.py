@@ -47,6 +47,31 @@ def test_rows_without_logprobs_and_streaming_style_outputs(llm) -> None:
         assert check_completion(completion, with_logprobs=False) == []
 
 
+def test_held_rows_leave_the_engine_core_mid_request(llm, monkeypatch) -> None:
+    """LLM.generate's requests (FINAL_ONLY, no stop strings) have their rows held in the engine
+    core, which on CPU sends them every 5 steps (``cpu_test_env``; 256 elsewhere): rows reach
+    the frontend in pieces before the end and the mask still has one row per token, in order."""
+    from vllm import SamplingParams
+
+    from vllm_sampling_mask.engine import output_processor
+
+    pieces: list[tuple[int, bool]] = []  # (rows, with the last output) per output with rows
+    take = output_processor._take_held_output
+
+    def counted(holder, state, output, row, to_abort) -> None:
+        if row is not None:
+            pieces.append((len(row) if row.__class__ is list else 1, output.finished))
+        take(holder, state, output, row, to_abort)
+
+    monkeypatch.setattr(output_processor, "_take_held_output", counted)
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=12, ignore_eos=True, seed=5,
+                            logprobs=16)
+    completions = generate(llm, ["Hello", "the quick brown fox"], params)
+    assert all(check_completion(c, with_logprobs=True) == [] for c in completions)
+    assert sum(rows for rows, _ in pieces) == 2 * 12, pieces
+    assert sum(last for _, last in pieces) == 2 and len(pieces) > 2, pieces
+
+
 def test_seeded_requests_reproduce_run_to_run(llm) -> None:
     """The candidate sampler's noise depends on the request's seed and position: a seeded batch
     generated twice gives the same tokens and rows (unseeded requests differ)."""

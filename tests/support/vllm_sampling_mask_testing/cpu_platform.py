@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+from vllm_sampling_mask_testing.held_steps import ENV_HELD_STEPS
+
 ENV_FLAG = "VLLM_SAMPLING_MASK_TEST_CPU"
 
 
@@ -33,6 +35,8 @@ def cpu_test_env() -> dict[str, str]:
         "DO_NOT_TRACK": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "2",
+        # held rows of FINAL_ONLY requests leave the engine core mid-request too (held_steps.py)
+        ENV_HELD_STEPS: "5",
     }
 
 
