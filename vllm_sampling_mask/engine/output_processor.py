@@ -142,11 +142,11 @@ class RequestMaskRows:
         if self.blocks is not None:
             lengths = self.lengths.tolist() + [len(row) >> 2 for row in self.pending]
             blob = b"".join([*self.blocks, *self.pending])
+            if len(lengths) == num_rows:  # every row: the join is the mask's own (no copy)
+                return SamplingMask.from_wire(lengths, blob)
         else:
             lengths, blob = self.lengths.tolist(), self.blob
         dropped = len(lengths) - num_rows
-        if not dropped and blob.__class__ is bytes:  # a FINAL_ONLY request's join: no copy
-            return SamplingMask.from_wire(lengths, blob)
         start = 4 * sum(lengths[:dropped]) if dropped else 0
         return SamplingMask.from_wire(lengths[dropped:], bytes(memoryview(blob)[start:]))
 
