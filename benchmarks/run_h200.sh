@@ -15,9 +15,9 @@
 #   jit       FlashInfer's JIT (sampling + top-k kernels: 4-8 min on a new machine, cached in
 #             ~/.cache/flashinfer for the next calls on the same machine), the two libraries
 #             left in $OUT for .vstage4 (below): the first call on a new machine without them
-#   verify    the MRV2 GPU tests (they JIT the top-k themselves if `jit` did not run), the
-#             compaction and host unpack at top_k 50 and with every row wider than the width
-#             cap                                                                    (~5 min)
+#   verify    the MRV2 GPU tests (they JIT the top-k themselves if `jit` did not run: not
+#             beside `jit` in one call, whose compile they then wait for), the compaction and
+#             host unpack at top_k 50 and with every row wider than the width cap    (~5 min)
 #   engine    stock / on interleaved, each engine in its own process, all pinned to the same
 #             5 CPUs (--pin 5), compiled, 8 rounds; the on engine also runs each round with
 #             every request opted out (--same-process-optout: on/on_optout without a
@@ -168,7 +168,7 @@ case "${1:-}" in
     ;;
   verify)
     PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-      step gpu_tests 220 python3 -m pytest -q -s -m gpu tests/test_candidate_sampler.py \
+      step gpu_tests 330 python3 -m pytest -q -s -m gpu tests/test_candidate_sampler.py \
       tests/test_compaction_kernel.py tests/test_gpu_engine.py
     bench bench_compaction compaction 60 --batch-sizes 256,512 --vocab-sizes 151936 \
       --top-ks 50,4097 --unpack-reps 10
