@@ -1,10 +1,16 @@
-"""Test harness: CPU platform forcing, the tiny model fixture, the ``gpu`` marker.
+"""Test harness: CPU platform forcing, the tiny model fixture, the ``gpu`` marker, the grouping
+of tests for parallel workers.
 
 On a machine without an NVIDIA GPU every test process runs vLLM on its CPU platform with Model
 Runner V2 (or vLLM's CPU subclass of the V1 runner, where vLLM picks V1) and Triton kernels under
 the interpreter (see ``vllm_sampling_mask_testing.cpu_platform``). The
 environment is set here, at collection time, before any test imports vLLM or Triton; subprocess
 tests pass ``cpu_test_env()`` on. ``gpu`` tests are skipped without CUDA.
+
+``scripts/test.sh`` runs the CPU suite on two pytest-xdist workers (``--dist loadgroup``): one
+engine test mostly keeps one core busy, so two of them use a 2-core machine. Each module is one
+group (its module-scoped engine starts once), and the modules on the shared mask server are one
+group with it; modules that start engines are queued first, so the short ones fill the end.
 """
 
 from __future__ import annotations
@@ -27,7 +33,13 @@ if not HAS_GPU:
     os.environ.update(cpu_test_env())
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        on_the_shared_server = "mask_server" in getattr(item, "fixturenames", ())
+        group = "mask_server" if on_the_shared_server else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: modules keep their order
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -38,11 +50,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(pytestconfig: pytest.Config) -> str:
-    """Tiny random Qwen2 + locally trained tokenizer, cached under the pytest cache dir."""
+    """Tiny random Qwen2 + locally trained tokenizer, cached under the pytest cache dir (built by
+    one parallel worker while the others wait)."""
+    from filelock import FileLock
+
     from vllm_sampling_mask.tiny_model import build_tiny_model
 
     cache = Path(pytestconfig.cache.mkdir("vllm_sampling_mask_tiny_model"))
-    return str(build_tiny_model(cache))
+    with FileLock(f"{cache}.lock"):
+        return str(build_tiny_model(cache))
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,12 @@ def runner_info(worker):  # runs inside the worker process (sent by collective_r
     }
 
 
+def plugin_targets() -> set[str]:
+    from vllm_sampling_mask.patches import PATCHES
+
+    return {patch.target for patch in PATCHES}
+
+
 def main() -> None:
     model, mask = sys.argv[1], "--mask" in sys.argv
     imported_before = "vllm_sampling_mask" in sys.modules
@@ -42,7 +48,9 @@ def main() -> None:
     patching = sys.modules.get("vllm_sampling_mask.patching")
     print("RESULT " + json.dumps({
         "imported_our_package_before_vllm": imported_before,
-        "applied_patches": sorted(patching.applied_targets()) if patching else [],
+        # the plugin's patches only (the test platform plugin installs its own in both runs)
+        "applied_patches": sorted(set(patching.applied_targets()) & plugin_targets())
+        if patching else [],
         "runner": llm.collective_rpc(runner_info),
         "token_ids": [list(c.token_ids) for c in completions],
         "logprobs": [[{str(k): v.logprob for k, v in d.items()} for d in c.logprobs] for c in completions],
