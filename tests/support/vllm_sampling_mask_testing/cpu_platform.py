@@ -11,15 +11,16 @@ before vLLM is imported; ``cpu_test_env()`` returns them):
   ``vllm.v1.sample.ops.topk_topp_sampler`` routes top-k/top-p to vLLM's PyTorch implementation
   (which keeps top-k boundary ties, so rows may be wider than top_k);
 - the readers and writers of vLLM's shared-memory queues (an engine core waiting on its workers,
-  workers waiting for the next step) spin on ``sched_yield`` for 1 s after every message: on a
-  2-core CI machine a spinning engine core takes the core its API server or a second worker
-  needs. Here each turn of the loop sleeps 1 ms instead (a CPU engine step takes tens of ms).
+  workers waiting for the next step) spin on ``sched_yield`` while they wait (a reader for up to
+  1 s after its last read, then it sleeps on a socket): on a 2-core CI machine a spinning engine
+  core takes the core its API server or a second worker needs. Here each turn of the loop sleeps
+  1 ms instead (a CPU engine step takes tens of ms).
   (Sleeping on the notify socket at once, ``busy_loop_s=0``, stalled the pipeline-parallel
   test: its steps waited out the 60 s read timeout.)
 
 The environment also keeps ``humming`` (imported by vLLM's quantization utilities in every vLLM
-process) from starting its two background CUDA builds at each import: without CUDA they never
-finish, so every process paid for two more interpreters importing torch.
+process) from starting its two background CUDA builds at each import: without CUDA the launcher
+build never succeeds, so every process paid for two more interpreters importing torch.
 """
 
 from __future__ import annotations
