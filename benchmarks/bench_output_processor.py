@@ -1,7 +1,7 @@
 """What masks cost the frontend process where it bounds the engine: vLLM's real output path.
 
 With ``logprobs=1`` at batch 64 and 256 the offline engine's frontend (one Python process, one
-GIL) is the bound on the H200, stock included (docs/benchmarks.md, twenty-second session): its
+GIL) is the bound on the H200, stock included (docs/benchmarks.md, "With `logprobs=1`"): its
 CPU time per step, not the engine core's, sets the throughput. This script measures that CPU time
 without using a GPU (on a GPU machine, its host's CPU: ``run_h200.sh frontend``): one round of
 ``--requests`` requests generating ``--tokens`` tokens each with ``--logprobs`` top logprobs
