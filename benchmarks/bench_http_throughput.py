@@ -9,7 +9,12 @@ connection per request). Per request mode, on that one server:
   masks for that traffic (rounds are one mode at a time: an ``off`` round's batches hold no
   request that wants masks);
 - ``json``:    the endpoint's default on this server, rows as ``list[list[int]]``;
-- ``compact``: ``"sampling_mask_format": "compact"`` (``csr-delta-varint-base64``).
+- ``compact``: ``"sampling_mask_format": "compact"`` (``csr-delta-varint-base64``);
+- ``off_stop`` / ``compact_stop`` (not run by default; ``--modes``): ``off`` / ``compact`` with a
+  stop string no output contains (``NEVER_STOP``). A request with stop strings is finished by the
+  frontend, so the engine core does not hold its rows until the end (``rows_held_until_finish``):
+  its rows come with every step's output, and ``compact_stop`` / ``off_stop`` is what masks cost
+  that way, beside ``compact`` / ``off`` with the rows held.
 
 For each concurrency C (``--concurrency``, default 1,64), C client threads send ``--requests``
 non-streaming requests (default max(8, 4 C)), each ``--prompt-len`` random token ids below 2000
@@ -18,10 +23,11 @@ top_p 0.95, max_tokens --max-tokens, ignore_eos``. One short warm-up round per m
 ``--rounds`` rounds with the modes interleaved (off, json, compact, off, ...) so drift hits all
 alike. Per round: output tokens/s = generated tokens / wall time of the round (first request sent
 to last response read), requests/s, mean response body bytes, mean request latency; per mode the
-median over rounds, and tokens/s relative to ``off`` at the same C. After each round (outside the
+median over rounds, and tokens/s relative to ``off`` (``off_stop`` for ``compact_stop``) at the
+same C. After each round (outside the
 timing) every response is checked with ``http_smoke.contract``: one row per generated token, rows
-ascending, the sampled token in its row (compact decoded with ``decode_compact``); ``off``: no
-mask. Exit status 1 on any violation or failed request::
+ascending, the sampled token in its row (compact decoded with ``decode_compact``); ``off``,
+``off_stop``: no mask. Exit status 1 on any violation or failed request::
 
     python3 benchmarks/bench_http_throughput.py /root/models/qwen3-0.6b --out bench_out/http.json  # H200
     python benchmarks/bench_http_throughput.py --small --out bench_out/http_throughput_small.json  # CPU smoke
@@ -61,7 +67,13 @@ MODES: dict[str, dict[str, Any]] = {
     "off": {"return_sampling_mask": False},
     "json": {},
     "compact": {"sampling_mask_format": "compact"},
+    "off_stop": {"return_sampling_mask": False},
+    "compact_stop": {"sampling_mask_format": "compact"},
 }
+DEFAULT_MODES = ["off", "json", "compact"]
+NEVER_STOP = "\x00never\x01"  # control characters no output of the byte-level BPE decodes to
+STOP_MODES = {"off_stop", "compact_stop"}
+OFF_MODES = {"off", "off_stop"}  # no masks asked for
 PROMPT_ID_RANGE = (10, 2000)  # above the special tokens, inside any vocabulary
 FULL = {"concurrency": [1, 64], "max_tokens": 256, "prompt_len": 128, "rounds": 4,
         "warmup_tokens": 16}
@@ -73,6 +85,15 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def mode_list(text: str) -> list[str]:
+    modes = text.split(",")
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or "off" not in modes:
+        raise argparse.ArgumentTypeError(f"modes must be among {', '.join(MODES)} and include "
+                                         f"off, got {text!r}")
+    return modes
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?",
@@ -80,6 +101,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--small", action="store_true",
                         help="CPU smoke run: tiny model, concurrency 1 and 4, 8 tokens, fp32.")
     parser.add_argument("--concurrency", type=int_list, help=f"Default {FULL['concurrency']}.")
+    parser.add_argument("--modes", type=mode_list, default=DEFAULT_MODES,
+                        help=f"Request modes, comma-separated, 'off' among them (default "
+                        f"{','.join(DEFAULT_MODES)}; also {','.join(sorted(STOP_MODES))}).")
     parser.add_argument("--requests", type=int,
                         help="Requests per round and mode (default max(8, 4 C); --small: max(4, 2 C)).")
     parser.add_argument("--max-tokens", type=int, help=f"Default {FULL['max_tokens']}.")
@@ -136,6 +160,8 @@ def request_bodies(args: argparse.Namespace, mode: str, concurrency: int, round_
     """``count`` request bodies with random prompts, a function of (seed, C, round, mode) only."""
     rng = random.Random(f"{args.seed}-{concurrency}-{round_index}-{mode}")
     params = {**SAMPLING, "max_tokens": max_tokens}
+    if mode in STOP_MODES:
+        params["stop"] = [NEVER_STOP]
     return [{"token_ids": [rng.randrange(*PROMPT_ID_RANGE) for _ in range(args.prompt_len)],
              "sampling_params": params, **MODES[mode]} for _ in range(count)]
 
@@ -159,11 +185,11 @@ def response_problem(mode: str, status: int, content: bytes) -> tuple[int, int, 
         tokens = len(choice["token_ids"])
     except (ValueError, KeyError, TypeError) as exc:
         return 0, 0, f"not one choice with token_ids ({type(exc).__name__}): {content[:300]!r}"
-    if mode == "off":
+    if mode in OFF_MODES:
         return tokens, 0, "a mask with return_sampling_mask false" if "sampling_mask" in choice else None
     if choice.get("sampling_mask") is None:
         return tokens, 0, "no sampling_mask"
-    if mode == "compact" and not isinstance(choice["sampling_mask"], dict):
+    if mode in ("compact", "compact_stop") and not isinstance(choice["sampling_mask"], dict):
         return tokens, 0, "compact asked, lists sent"
     try:
         rows = contract(choice["token_ids"], choice["sampling_mask"])
@@ -193,7 +219,7 @@ def run_round(client: Client, bodies: list[dict[str, Any]], mode: str,
             "tokens_per_s": tokens / seconds, "requests_per_s": len(bodies) / seconds,
             "mean_response_bytes": statistics.fmean(len(c) for _, c, _ in results),
             "mean_latency_s": statistics.fmean(s for _, _, s in results),
-            "mean_row_width": kept_ids / tokens if mode != "off" and tokens else None,
+            "mean_row_width": kept_ids / tokens if mode not in OFF_MODES and tokens else None,
             "failed_requests": sum(status != 200 for status, _, _ in results),
             "violations": len(problems), "problems": problems[:5]} | busy
 
@@ -202,12 +228,12 @@ def run_concurrency(client: Client, args: argparse.Namespace,
                     concurrency: int) -> dict[str, dict[str, Any]]:
     """Warm-up, then ``args.rounds`` interleaved rounds of every mode; per-mode medians."""
     count = request_count(args, concurrency)
-    for mode in MODES:  # warm-up: round -1, prompts no timed round uses
+    for mode in args.modes:  # warm-up: round -1, prompts no timed round uses
         run_round(client, request_bodies(args, mode, concurrency, -1, concurrency,
                                          args.warmup_tokens), mode, concurrency)
-    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
     for r in range(args.rounds):
-        for mode in MODES:
+        for mode in args.modes:
             bodies = request_bodies(args, mode, concurrency, r, count, args.max_tokens)
             result = run_round(client, bodies, mode, concurrency)
             rounds[mode].append(result)
@@ -227,9 +253,10 @@ def run_concurrency(client: Client, args: argparse.Namespace,
             "violations": sum(x["violations"] for x in mode_rounds),
             "rounds": mode_rounds,
         }
-    for result in by_mode.values():
+    for mode, result in by_mode.items():
+        off = "off_stop" if mode in STOP_MODES and "off_stop" in by_mode else "off"
         result["tokens_per_s_vs_off"] = (result["median_tokens_per_s"]
-                                         / by_mode["off"]["median_tokens_per_s"])
+                                         / by_mode[off]["median_tokens_per_s"])
     return by_mode
 
 
@@ -277,7 +304,7 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
                                        for m, r in by_mode.items()}
                              for c, by_mode in report["results"].items()},
             "vs_off": {f"C{c}": {m: round(r["tokens_per_s_vs_off"], 3)
-                                 for m, r in by_mode.items() if m != "off"}
+                                 for m, r in by_mode.items() if m not in OFF_MODES}
                        for c, by_mode in report["results"].items()},
             "bytes_per_request": {f"C{c}": {m: round(r["median_mean_response_bytes"])
                                             for m, r in by_mode.items()}

@@ -44,6 +44,9 @@
 #             pool_paired_rounds.py, each call a cluster); with B (e.g. 256) that batch size
 #             alone, 3 generations of 4 rounds: three clusters per call          (~6-9 min)
 #   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled       (~7 min)
+#   http_stop HTTP at concurrency 1 and 64, rows held (off / compact) and, in the same
+#             rounds, sent every step (off_stop / compact_stop: a never-matching stop
+#             string), compiled                                                     (~5 min)
 #   v1        the V1-runner GPU tests, ngram speculative decoding included           (~5 min)
 #   spec      EAGLE speculative decoding on Model Runner V2, the GPU test
 #   families  the MoE, hybrid and vision-language GPU tests (carry .vstage5: MoE kernels;
@@ -62,7 +65,8 @@
 #             `layouts "expert or data"`)                                          (<= 9.5 min)
 #   layouts_throughput  on `nvidia-h200-x2`: stock / on throughput with TP=2 and PP=2, eager
 #                                                                                  (<= 9.5 min)
-#   profile   host time per step by function at B=256: off, optout, on (in-process engines)
+#   profile [B]  host time per step by function at B (default 256; e.g. 1,64): off, optout,
+#             on (in-process engines)
 #   frontend  the frontend's CPU per step with vLLM's real OutputProcessor, logprobs=1, 256
 #             requests, stock / on in lock step (bench_output_processor.py; no GPU used: the
 #             host's CPU, which bounds an engine with logprobs)                    (~3 min)
@@ -213,6 +217,12 @@ case "${1:-}" in
     bench bench_http_throughput http 330 /root/models/qwen3-0.6b "${compiled[@]}" \
       --concurrency 1,64
     ;;
+  http_stop)
+    # One server, rows held until the end (off / compact) against rows sent every step
+    # (off_stop / compact_stop: a stop string no output contains)
+    bench bench_http_throughput http_stop 480 /root/models/qwen3-0.6b "${compiled[@]}" \
+      --concurrency 1,64 --modes off,compact,off_stop,compact_stop
+    ;;
   v1)
     PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
       step gpu_tests_v1 420 python3 -m pytest -q -s -m gpu tests/test_gpu_engine_v1.py
@@ -270,9 +280,10 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
       "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}'
     ;;
   profile)
-    # Where the mask engine's ~5% at B=256 goes (pooled interleaved rounds: optout costs it too)
-    bench profile_engine_step profile_b256 300 --no-enforce-eager --configs off,optout,on \
-      --batch-sizes 256 --reps 4 --cprofile 40
+    # Host time per step by function, in-process engines (off, optout, on) at B (default 256)
+    batches=${2:-256}
+    bench profile_engine_step "profile_b${batches//,/_}" 540 --no-enforce-eager \
+      --configs off,optout,on --batch-sizes "$batches" --reps 4 --cprofile 40
     ;;
   frontend)
     bench bench_output_processor output_processor 300 --rounds 12
@@ -286,7 +297,7 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
       --out "$out/sampler_paths_top_k_1024.json"
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|control|rounds [B]|logprobs [B]|http|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile|frontend|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|control|rounds [B]|logprobs [B]|http|http_stop|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile [B]|frontend|paths" >&2
     exit 2
     ;;
 esac
