@@ -1,9 +1,10 @@
 """Device->host copy of masks with the sampled tokens (extends ``vllm/v1/worker/gpu/async_utils.py``).
 
-Our copies are issued on vLLM's copy stream *before* ``AsyncOutput.__init__`` records its copy
-event, so that one event covers them: no extra sync, and ``get_output`` (which waits on the event)
-finds them complete. The device tensors stay referenced through ``sampler_output`` (held by the
-``AsyncOutput``) until then.
+Our copy is issued on the main stream, where the sampler wrote the masks, just before
+``AsyncOutput.__init__``: vLLM's copy stream waits for the main stream before its own copies
+and records the copy event after them, so that one event covers ours too: no extra sync, no
+stream switch, and ``get_output`` (which waits on the event) finds it complete. The device
+tensors stay referenced through ``sampler_output`` (held by the ``AsyncOutput``) until then.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ _HOST_ATTR = "_sampling_mask_host"
 
 def wrap_init(original: Any) -> Any:
     """``AsyncOutput.__init__`` plus the async copy of ``sampler_output.sampling_mask``."""
-    from vllm.v1.worker.gpu.async_utils import stream
 
     @functools.wraps(original)
     def __init__(
@@ -35,9 +35,9 @@ def wrap_init(original: Any) -> Any:
         if device_masks is NO_MASKS_WANTED:
             self.__dict__[_HOST_ATTR] = NO_MASKS_WANTED  # nothing to copy
         elif device_masks is not None:
-            with stream(copy_stream, main_stream):
-                copy_stream.wait_stream(main_stream)
-                self.__dict__[_HOST_ATTR] = device_masks.copy_to_host_nonblocking()
+            # The current stream is ``main_stream``, as vLLM's own __init__ assumes too (it sets
+            # the current stream back to ``main_stream`` after its copies).
+            self.__dict__[_HOST_ATTR] = device_masks.copy_to_host_nonblocking()
         original(
             self, model_runner_output, sampler_output, num_sampled_tokens, main_stream,
             copy_stream, *args, **kwargs,

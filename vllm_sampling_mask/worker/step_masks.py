@@ -3,6 +3,7 @@ request's row (int32 ids) with per-row offsets."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -159,16 +160,18 @@ class HostStepMasks:
         num_rows, row_words = packed.shape
         width = row_words - 1
         counts = packed[:, 0].astype(np.int64)
-        counts[np.asarray(num_sampled[:num_rows]) == 0] = 0
+        sampled = np.asarray(num_sampled[:num_rows])
+        if not sampled.all():
+            counts[sampled == 0] = 0
         opted_out = None if self.device.row_wants is None else ~self.device.row_wants
         if opted_out is not None:
             counts[opted_out] = 0  # never read: any width, even the whole vocabulary
-        overflow = np.flatnonzero(counts > width)
+        overflow = np.flatnonzero(counts > width) if num_rows and counts.max() > width else None
         stride = 4 * row_words
         if width <= WIDE_UNPACK_WIDTH:
             # One copy of the whole buffer; each row is sliced from it when handed out.
             blob = packed.tobytes()
-            starts = 4 + stride * np.arange(num_rows, dtype=np.int64)
+            starts, starts_list = _row_starts(num_rows, stride)
         else:
             # A wide candidate buffer (top_k in (256, 1024]) is mostly slots past each row's
             # top-p cut: copy only the ids.
@@ -176,8 +179,8 @@ class HostStepMasks:
             view = memoryview(packed).cast("B")
             blob = b"".join([view[start : start + 4 * n] for start, n in
                              zip(range(4, num_rows * stride, stride), narrow.tolist())])
-            starts = 4 * (np.cumsum(narrow) - narrow)
-        if overflow.size:
+            starts, starts_list = 4 * (np.cumsum(narrow) - narrow), None
+        if overflow is not None:
             if self.device.support.bits is None:
                 raise RuntimeError(f"rows {overflow.tolist()} have more ids than the width and no "
                                    "bitmap. This is a bug in vllm-sampling-mask.")
@@ -187,11 +190,23 @@ class HostStepMasks:
                 blob, base = memoryview(ids).cast("B"), 0
             else:
                 blob, base = b"".join((blob, ids)), len(blob)
+            starts, starts_list = starts.copy(), None  # not _row_starts' shared offsets
             starts[overflow] = base + 4 * (np.cumsum(wide_counts) - wide_counts)
-        ends = starts + 4 * counts
+        ends = starts + (counts << 2)
         if opted_out is not None:
+            starts, starts_list = starts.copy(), None
             starts[opted_out] = -1
-        return StepSamplingMasks(blob, starts.tolist(), ends.tolist())
+        return StepSamplingMasks(blob, starts_list or starts.tolist(), ends.tolist())
+
+
+@functools.lru_cache(maxsize=64)
+def _row_starts(num_rows: int, stride: int) -> tuple[np.ndarray, list[int]]:
+    """The byte offsets of each row's ids in a ``[num_rows, stride / 4]`` int32 buffer (after
+    its count word), as a ``[num_rows]`` int64 array and a list: the same every step of a batch
+    size, so made once. Shared: read only (the array is not writeable; copy before changing)."""
+    starts = 4 + stride * np.arange(num_rows, dtype=np.int64)
+    starts.flags.writeable = False
+    return starts, starts.tolist()
 
 
 @dataclass
