@@ -9,7 +9,8 @@ with top_k ``--top-k``, through the same code the engine runs, each hop timed se
 - ``launch_*``         worker, only where CUDA and FlashInfer are: the host side of a mask
                        step's sampling call (``candidates``) and of stock vLLM's
                        (``stock_flashinfer``) on ``[R, V]`` fp32 CUDA logits; their
-                       difference ``launch_extra`` is in the engine-core total;
+                       difference ``launch_extra`` is in the engine-core total, and so is
+                       ``launch_copy``: issuing the copy of the step's rows to the host;
 - ``unpack``           worker: ``HostStepMasks.unpack``, the copied ``[R, 1 + W]`` counts + ids
                        -> the step's row bytes and offsets; ``unpack_overflow``: the same with
                        one row wider than W (expanded from the bitmap by ``expand_rows``);
@@ -208,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if launch is not None:
         timed("launch_candidates", *launch["candidates"])
         timed("launch_stock_flashinfer", *launch["stock_flashinfer"])
+        timed("launch_copy", *launch["copy"])
     timed("unpack", lambda _: host.unpack(num_sampled))
     timed("unpack_overflow", lambda _: host_wide.unpack(num_sampled))
 
@@ -344,8 +346,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     ms = {name: r["cpu_ms"] for name, r in results.items()}  # read_* are the consumer's
     per_step = {
-        **({"launch_extra": ms["launch_candidates"] - ms["launch_stock_flashinfer"]}
-           if "launch_candidates" in ms else {}),
+        **({"launch_extra": ms["launch_candidates"] - ms["launch_stock_flashinfer"],
+            "launch_copy": ms["launch_copy"]} if "launch_candidates" in ms else {}),
         "unpack": ms["unpack"],
         "scheduler": ms["scheduler"],
         "encode_extra": ms["encode_with_masks"] - ms["encode_stock"],
@@ -357,15 +359,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # With one GPU the worker runs inside the engine-core process; the frontend is another
     # process, so the two subtotals overlap in time (async scheduling overlaps both with the GPU).
     per_process = {
-        "engine_core": per_step.get("launch_extra", 0.0) + per_step["unpack"] + per_step["scheduler"]
+        "engine_core": per_step.get("launch_extra", 0.0) + per_step.get("launch_copy", 0.0)
+        + per_step["unpack"] + per_step["scheduler"]
         + per_step["encode_extra"],
         "frontend": per_step["decode_extra"] + per_step["frontend"] + per_step["attach"],
     }
     # Held (FINAL_ONLY) requests: a step that sends no rows, plus the flush step's extra and the
     # finish spread over the HELD_STEPS steps they cover.
-    launch_extra = per_step.get("launch_extra", 0.0)
+    launches = per_step.get("launch_extra", 0.0) + per_step.get("launch_copy", 0.0)
     per_process_held = {
-        "engine_core": launch_extra + ms["unpack"] + ms["scheduler_held"]
+        "engine_core": launches + ms["unpack"] + ms["scheduler_held"]
         + ms["encode_held"] - ms["encode_stock"]
         + (ms["scheduler_held_flush"] - ms["scheduler_held"]
            + ms["encode_held_flush"] - ms["encode_held"]) / HELD_STEPS,
@@ -405,8 +408,10 @@ def cuda_launch_timers(num_requests: int, vocab_size: int, top_k: int
     """``{name: (run, setup)}`` timing the host side of a mask step's sampling call
     (``candidates``: ``sample_from_candidates``, the FlashInfer top-k and the Triton launch)
     and of stock vLLM's (``stock_flashinfer``: ``flashinfer_sample``) on the same ``[R, V]``
-    fp32 CUDA logits, top_k ``top_k``, top_p 0.95; ``None`` without CUDA or FlashInfer.
-    ``setup`` waits for the GPU, so each timed call starts with an idle queue."""
+    fp32 CUDA logits, top_k ``top_k``, top_p 0.95, and the issue of the copy of the mask step's
+    rows to the host (``copy``: ``DeviceStepMasks.copy_to_host_nonblocking``, on the current
+    stream as in the engine); ``None`` without CUDA or FlashInfer. ``setup`` waits for the GPU,
+    so each timed call starts with an idle queue."""
     import torch
 
     if not torch.cuda.is_available():
@@ -416,6 +421,8 @@ def cuda_launch_timers(num_requests: int, vocab_size: int, top_k: int
     except ImportError:
         return None
     from vllm_sampling_mask.worker.candidate_sampler import sample_from_candidates
+    from vllm_sampling_mask.worker.compaction import CompactSupport
+    from vllm_sampling_mask.worker.step_masks import DeviceStepMasks
 
     R = num_requests
     logits = torch.randn(R, vocab_size, device="cuda")  # [R, V] fp32
@@ -431,10 +438,18 @@ def cuda_launch_timers(num_requests: int, vocab_size: int, top_k: int
         torch.cuda.synchronize()
         return copy
 
+    step = sample_from_candidates(logits.clone(), top_k, slots, k, p, temperature, seeds, pos,
+                                  write_processed=False)
+    device_masks = DeviceStepMasks(CompactSupport(step.packed, None, vocab_size))
+
+    def idle() -> None:
+        torch.cuda.synchronize()
+
     return {
         "candidates": (lambda x: sample_from_candidates(x, top_k, slots, k, p, temperature,
                                                         seeds, pos, write_processed=False), setup),
         "stock_flashinfer": (lambda x: flashinfer_sample(x, k, p), setup),
+        "copy": (lambda _: device_masks.copy_to_host_nonblocking(), idle),
     }
 
 
