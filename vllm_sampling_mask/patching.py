@@ -14,14 +14,14 @@ off. ``revert_patches`` restores the originals (tests use it).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -268,8 +268,7 @@ def original_of(target: str) -> Any:
     return _applied[target].original
 
 
-@contextlib.contextmanager
-def scoped_patch(target: str) -> Iterator[None]:
+def scoped_patch(target: str) -> AbstractContextManager[None]:
     """Bind the replacement of the scoped patch ``target`` for the duration of the block.
 
     Blocks may nest and overlap across threads (two in-process mask engines): the first to enter
@@ -281,19 +280,32 @@ def scoped_patch(target: str) -> Iterator[None]:
     record = _applied[target]
     if not record.patch.scoped:
         raise KeyError(f"{target} is not a scoped patch")
-    with _lock:
-        depth = _scope_depths.get(target, 0)
-        if depth == 0:
-            setattr(record.owner, record.name, record.replacement)
-        _scope_depths[target] = depth + 1
-    try:
-        yield
-    finally:
+    return _ScopedBinding(target, record)
+
+
+class _ScopedBinding:
+    """``scoped_patch``'s block: a class rather than a generator, since a mask engine's
+    scheduler opens one every step."""
+
+    __slots__ = ("target", "record")
+
+    def __init__(self, target: str, record: _AppliedPatch) -> None:
+        self.target = target
+        self.record = record
+
+    def __enter__(self) -> None:
         with _lock:
-            depth = _scope_depths[target] - 1
-            _scope_depths[target] = depth
+            depth = _scope_depths.get(self.target, 0)
             if depth == 0:
-                setattr(record.owner, record.name, record.original)
+                setattr(self.record.owner, self.record.name, self.record.replacement)
+            _scope_depths[self.target] = depth + 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with _lock:
+            depth = _scope_depths[self.target] - 1
+            _scope_depths[self.target] = depth
+            if depth == 0:
+                setattr(self.record.owner, self.record.name, self.record.original)
 
 
 def patch_instance(target: str, obj: Any) -> None:
