@@ -133,7 +133,8 @@ PATCHES: list[Patch] = [
     Patch(
         target="vllm.v1.worker.gpu.async_utils:AsyncOutput.__init__",
         make=f"{_P}.worker.async_output:wrap_init",
-        why="Device->host copy on the copy stream, covered by vLLM's own copy event.",
+        why="Device->host copy of the step's masks on the main stream just before vLLM's "
+        "copies, so that vLLM's own copy event covers it.",
         process="worker",
     ),
     Patch(
