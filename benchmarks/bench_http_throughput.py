@@ -24,10 +24,10 @@ top_p 0.95, max_tokens --max-tokens, ignore_eos``. One short warm-up round per m
 alike. Per round: output tokens/s = generated tokens / wall time of the round (first request sent
 to last response read), requests/s, mean response body bytes, mean request latency; per mode the
 median over rounds, and tokens/s relative to ``off`` (``off_stop`` for ``compact_stop``) at the
-same C. After each round (outside the
-timing) every response is checked with ``http_smoke.contract``: one row per generated token, rows
-ascending, the sampled token in its row (compact decoded with ``decode_compact``); ``off``,
-``off_stop``: no mask. Exit status 1 on any violation or failed request::
+same C. After each round (outside the timing) every response is checked with
+``http_smoke.contract``: one row per generated token, rows ascending, the sampled token in its
+row (compact decoded with ``decode_compact``); ``off``, ``off_stop``: no mask. Exit status 1 on
+any violation or failed request::
 
     python3 benchmarks/bench_http_throughput.py /root/models/qwen3-0.6b --out bench_out/http.json  # H200
     python benchmarks/bench_http_throughput.py --small --out bench_out/http_throughput_small.json  # CPU smoke
@@ -73,7 +73,9 @@ MODES: dict[str, dict[str, Any]] = {
 DEFAULT_MODES = ["off", "json", "compact"]
 NEVER_STOP = "\x00never\x01"  # control characters no output of the byte-level BPE decodes to
 STOP_MODES = {"off_stop", "compact_stop"}
-OFF_MODES = {"off", "off_stop"}  # no masks asked for
+OFF_MODES = {mode for mode, fields in MODES.items() if fields.get("return_sampling_mask") is False}
+COMPACT_MODES = {mode for mode, fields in MODES.items()
+                 if fields.get("sampling_mask_format") == "compact"}
 PROMPT_ID_RANGE = (10, 2000)  # above the special tokens, inside any vocabulary
 FULL = {"concurrency": [1, 64], "max_tokens": 256, "prompt_len": 128, "rounds": 4,
         "warmup_tokens": 16}
@@ -189,7 +191,7 @@ def response_problem(mode: str, status: int, content: bytes) -> tuple[int, int, 
         return tokens, 0, "a mask with return_sampling_mask false" if "sampling_mask" in choice else None
     if choice.get("sampling_mask") is None:
         return tokens, 0, "no sampling_mask"
-    if mode in ("compact", "compact_stop") and not isinstance(choice["sampling_mask"], dict):
+    if mode in COMPACT_MODES and not isinstance(choice["sampling_mask"], dict):
         return tokens, 0, "compact asked, lists sent"
     try:
         rows = contract(choice["token_ids"], choice["sampling_mask"])

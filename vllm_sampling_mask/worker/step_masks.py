@@ -34,7 +34,7 @@ class StepSamplingMasks:
     """
 
     blob: bytes | memoryview
-    starts: list[int]
+    starts: Sequence[int]
     ends: list[int]
     none_wanted: bool = False
     groups: list[int] | None = None
@@ -190,23 +190,29 @@ class HostStepMasks:
                 blob, base = memoryview(ids).cast("B"), 0
             else:
                 blob, base = b"".join((blob, ids)), len(blob)
-            starts, starts_list = starts.copy(), None  # not _row_starts' shared offsets
+            starts, starts_list = _writable(starts), None
             starts[overflow] = base + 4 * (np.cumsum(wide_counts) - wide_counts)
         ends = starts + (counts << 2)
         if opted_out is not None:
-            starts, starts_list = starts.copy(), None
+            starts, starts_list = _writable(starts), None
             starts[opted_out] = -1
-        return StepSamplingMasks(blob, starts_list or starts.tolist(), ends.tolist())
+        return StepSamplingMasks(blob, starts.tolist() if starts_list is None else starts_list,
+                                 ends.tolist())
 
 
 @functools.lru_cache(maxsize=64)
-def _row_starts(num_rows: int, stride: int) -> tuple[np.ndarray, list[int]]:
+def _row_starts(num_rows: int, stride: int) -> tuple[np.ndarray, tuple[int, ...]]:
     """The byte offsets of each row's ids in a ``[num_rows, stride / 4]`` int32 buffer (after
-    its count word), as a ``[num_rows]`` int64 array and a list: the same every step of a batch
-    size, so made once. Shared: read only (the array is not writeable; copy before changing)."""
+    its count word), as a ``[num_rows]`` int64 array and a tuple: the same every step of a batch
+    size, so made once and shared by the steps, hence both read only."""
     starts = 4 + stride * np.arange(num_rows, dtype=np.int64)
     starts.flags.writeable = False
-    return starts, starts.tolist()
+    return starts, tuple(starts.tolist())
+
+
+def _writable(starts: np.ndarray) -> np.ndarray:
+    """``starts`` itself, or a copy where it is ``_row_starts``' shared array."""
+    return starts if starts.flags.writeable else starts.copy()
 
 
 @dataclass
