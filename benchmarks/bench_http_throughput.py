@@ -24,7 +24,12 @@ top_p 0.95, max_tokens --max-tokens, ignore_eos``. One short warm-up round per m
 alike. Per round: output tokens/s = generated tokens / wall time of the round (first request sent
 to last response read), requests/s, mean response body bytes, mean request latency; per mode the
 median over rounds, and tokens/s relative to ``off`` (``off_stop`` for ``compact_stop``) at the
-same C. After each round (outside the timing) every response is checked with
+same C. Each round also reads the server's Prometheus counters (``/metrics``, before and after,
+outside the timing): the engine steps it took (``engine_steps``), its mean tokens per step, the
+step period the frontend saw (``inter_token_ms``: the mean inter-token latency) and the server's
+own mean request latency, so that a slower mode tells a longer step from emptier batches (time
+the engine spends between a wave's last tokens and the next wave's requests). After each round
+(outside the timing) every response is checked with
 ``http_smoke.contract``: one row per generated token, rows ascending, the sampled token in its
 row (compact decoded with ``decode_compact``); ``off``, ``off_stop``: no mask. Exit status 1 on
 any violation or failed request::
@@ -200,15 +205,55 @@ def response_problem(mode: str, status: int, content: bytes) -> tuple[int, int, 
     return tokens, sum(len(row) for row in rows), None
 
 
+# Prometheus series (summed over their labels) read around every round.
+COUNTERS = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
+            "vllm:inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_sum",
+            "vllm:e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_sum")
+
+
+def engine_counters(client: Client) -> dict[str, float]:
+    """``COUNTERS`` from the server's ``/metrics`` ({} where it has none)."""
+    try:
+        text = client.get("/metrics")
+    except (OSError, http.client.HTTPException):
+        return {}
+    totals = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def engine_side(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """A round's engine steps, tokens per step, mean inter-token ms and server latency s."""
+    if not before or not after:
+        return {}
+    delta = {name: after[name] - before[name] for name in COUNTERS}
+
+    def ratio(numerator: str, denominator: str, scale: float = 1.0) -> float | None:
+        count = delta[f"vllm:{denominator}"]
+        return scale * delta[f"vllm:{numerator}"] / count if count else None
+
+    return {"engine_steps": delta["vllm:iteration_tokens_total_count"],
+            "tokens_per_step": ratio("iteration_tokens_total_sum", "iteration_tokens_total_count"),
+            "inter_token_ms": ratio("inter_token_latency_seconds_sum",
+                                    "inter_token_latency_seconds_count", 1e3),
+            "server_latency_s": ratio("e2e_request_latency_seconds_sum",
+                                      "e2e_request_latency_seconds_count")}
+
+
 def run_round(client: Client, bodies: list[dict[str, Any]], mode: str,
               concurrency: int) -> dict[str, Any]:
     """Send ``bodies`` from ``concurrency`` threads, time the round, then check every response."""
+    counters_before = engine_counters(client)
     cpu_before = thread_cpu_times(client.server_pid)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda body: timed_post(client, body), bodies))
     seconds = time.perf_counter() - start
     busy = busiest_threads(cpu_before, thread_cpu_times(client.server_pid), seconds)
+    engine = engine_side(counters_before, engine_counters(client))
     tokens = kept_ids = 0
     problems = []
     for status, content, _ in results:
@@ -223,7 +268,7 @@ def run_round(client: Client, bodies: list[dict[str, Any]], mode: str,
             "mean_latency_s": statistics.fmean(s for _, _, s in results),
             "mean_row_width": kept_ids / tokens if mode not in OFF_MODES and tokens else None,
             "failed_requests": sum(status != 200 for status, _, _ in results),
-            "violations": len(problems), "problems": problems[:5]} | busy
+            "violations": len(problems), "problems": problems[:5]} | busy | engine
 
 
 def run_concurrency(client: Client, args: argparse.Namespace,
@@ -242,8 +287,8 @@ def run_concurrency(client: Client, args: argparse.Namespace,
             print(f"[C={concurrency} {mode}] round {r}: {result['tokens_per_s']:,.1f} tok/s, "
                   f"{result['mean_response_bytes']:,.0f} B/request, "
                   f"{result['violations']} violations; busiest thread busy: API server "
-                  f"{result['frontend_busy']:.2f}, engine core {result['core_busy']:.2f}",
-                  flush=True)
+                  f"{result['frontend_busy']:.2f}, engine core {result['core_busy']:.2f}; "
+                  f"{engine_cell(result)}", flush=True)
     by_mode = {}
     for mode, mode_rounds in rounds.items():
         by_mode[mode] = {
@@ -280,16 +325,35 @@ def markdown(report: dict[str, Any]) -> str:
              f"{c['max_tokens']} tokens, top_k {SAMPLING['top_k']}, top_p {SAMPLING['top_p']}, "
              f"median of {c['rounds']} rounds")
     header = ("| C | mode | requests | tok/s | req/s | bytes/request | mean latency s "
-              "| tok/s vs off | violations | busiest thread: API server / engine core |")
-    lines = [title, "", header, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "| tok/s vs off | violations | busiest thread: API server / engine core "
+              "| engine steps / tokens per step / inter-token ms |")
+    lines = [title, "", header, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for concurrency, by_mode in report["results"].items():
         for mode, r in by_mode.items():
             lines.append(
                 f"| {concurrency} | {mode} | {r['requests']} | {r['median_tokens_per_s']:,.1f} | "
                 f"{r['median_requests_per_s']:,.2f} | {r['median_mean_response_bytes']:,.0f} | "
                 f"{r['median_mean_latency_s']:.3f} | {r['tokens_per_s_vs_off']:.3f} | "
-                f"{r['violations']} | {busy_cell(r['rounds'])} |")
+                f"{r['violations']} | {busy_cell(r['rounds'])} | {steps_cell(r['rounds'])} |")
     return "\n".join(lines)
+
+
+def engine_cell(result: dict[str, Any]) -> str:
+    """A round's engine side (``engine_side``) in words."""
+    if result.get("engine_steps") is None:
+        return "no /metrics"
+    return (f"{result['engine_steps']:.0f} engine steps of {result['tokens_per_step'] or 0:.1f} "
+            f"tokens, inter-token {result['inter_token_ms'] or 0:.3f} ms, server latency "
+            f"{result['server_latency_s'] or 0:.3f} s")
+
+
+def steps_cell(rounds: list[dict[str, Any]]) -> str:
+    """The rounds' median engine steps, tokens per step and inter-token ms (``engine_side``)."""
+    keys = ("engine_steps", "tokens_per_step", "inter_token_ms")
+    if any(x.get(key) is None for x in rounds for key in keys):
+        return "-"
+    steps, tokens, itl = (statistics.median(x[key] for x in rounds) for key in keys)
+    return f"{steps:.0f} / {tokens:.1f} / {itl:.3f}"
 
 
 def busy_cell(rounds: list[dict[str, Any]]) -> str:

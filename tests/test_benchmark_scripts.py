@@ -302,6 +302,46 @@ def test_pool_paired_rounds_reads_http_reports() -> None:
     assert engine_shaped(engine_report) is engine_report
 
 
+def test_http_rounds_read_the_engine_side_from_prometheus_counters() -> None:
+    # Each HTTP round reads vLLM's /metrics before and after: summed over label sets, the
+    # differences give engine steps, tokens per step, the inter-token period and the server's
+    # latency; a server without /metrics gives nothing (the round still counts).
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_http_throughput as bench
+
+    def metrics(steps: float, tokens: float, itl_s: float, e2e_s: float, requests: float) -> str:
+        labels = '{engine="0",model_name="m"}'
+        return "\n".join([
+            "# HELP vllm:iteration_tokens_total Number of tokens per engine_step.",
+            f"vllm:iteration_tokens_total_count{labels} {steps / 2}",
+            f'vllm:iteration_tokens_total_count{{engine="1",model_name="m"}} {steps / 2}',
+            f"vllm:iteration_tokens_total_sum{labels} {tokens}",
+            f'vllm:iteration_tokens_total_bucket{{le="1.0",{labels[1:]} 3.0',
+            f"vllm:inter_token_latency_seconds_count{labels} {tokens}",
+            f"vllm:inter_token_latency_seconds_sum{labels} {itl_s}",
+            f"vllm:e2e_request_latency_seconds_count{labels} {requests}",
+            f"vllm:e2e_request_latency_seconds_sum{labels} {e2e_s}"])
+
+    class FakeClient:
+        def __init__(self, pages: list[str]):
+            self.pages = pages
+
+        def get(self, path: str) -> str:
+            assert path == "/metrics"
+            if not self.pages:
+                raise OSError("no /metrics")
+            return self.pages.pop(0)
+
+    client = FakeClient([metrics(10, 100, 1.0, 2.0, 4), metrics(110, 6500, 13.8, 10.0, 12)])
+    before, after = bench.engine_counters(client), bench.engine_counters(client)
+    side = bench.engine_side(before, after)
+    assert side == pytest.approx({"engine_steps": 100, "tokens_per_step": 64.0,
+                                  "inter_token_ms": 2.0, "server_latency_s": 1.0})
+    assert bench.engine_counters(client) == {} and bench.engine_side({}, after) == {}
+    assert "100 engine steps of 64.0 tokens" in bench.engine_cell(side)
+    assert bench.engine_cell({}) == "no /metrics"
+
+
 def test_thread_load_reports_the_busiest_thread_of_each_side() -> None:
     # Which process bounds a round: the busiest thread's CPU seconds over the round's wall time,
     # from per-thread totals before and after (a thread started during the round counts from 0).
