@@ -15,6 +15,7 @@ from vllm_sampling_mask.compact_format import (
     decode_compact,
     decode_compact_arrays,
     encode_compact,
+    encode_compact_arrays,
 )
 
 INT32_MAX = 2**31 - 1
@@ -140,3 +141,16 @@ def test_delta_encode_rejects_rows_it_cannot_represent(rows, match: str) -> None
 def test_encode_rejects_unknown_encoding() -> None:
     with pytest.raises(ValueError, match="encoding must be one of"):
         encode_compact([[1]], encoding="json")
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_int32_arrays_encode_as_int64_arrays_do(encoding: str) -> None:
+    # A SamplingMask hands over int32 ids, read without a widening copy: the same bytes, the
+    # same refusals.
+    rows = CASES["varint_edges_as_gaps"] + CASES["empty_rows_between"]
+    lengths = np.array([len(row) for row in rows])
+    ids = np.array([i for row in rows for i in row], dtype=np.int64)
+    assert (encode_compact_arrays(lengths, ids.astype(np.int32), encoding)
+            == encode_compact_arrays(lengths, ids, encoding))
+    with pytest.raises(ValueError, match="must lie in"):
+        encode_compact_arrays(np.array([2]), np.array([-5, 3], dtype=np.int32), encoding)

@@ -68,11 +68,14 @@ def encode_compact_arrays(row_lengths: np.ndarray, token_ids: np.ndarray,
     lengths = np.asarray(row_lengths, dtype=np.int64)
     ids = np.asarray(token_ids)
     if ids.dtype != np.int32:  # an int32 array (a SamplingMask's) is read as it is
-        ids = ids.astype(np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
-        raise ValueError("sampling mask ids must lie in [0, 2**31 - 1].")
+        wide = ids.astype(np.int64)
+        if wide.size and (wide.min() < 0 or wide.max() > np.iinfo(np.int32).max):
+            raise ValueError("sampling mask ids must lie in [0, 2**31 - 1].")
+        ids = wide.astype(np.int32)
     if encoding == COMPACT_ENCODING:
-        payload = ids.astype("<i4").tobytes()
+        if ids.size and ids.min() < 0:
+            raise ValueError("sampling mask ids must lie in [0, 2**31 - 1].")
+        payload = ids.astype("<i4", copy=False).tobytes()
     elif encoding == DELTA_VARINT_ENCODING:
         payload = _varint_bytes(_row_deltas(lengths, ids))
     else:
@@ -143,18 +146,28 @@ def _int32_array(raw: bytes, name: str) -> np.ndarray:
 
 
 def _row_deltas(lengths: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Per row: the first id, then the gaps. ``[N]`` int64, all >= 0 (raises otherwise)."""
+    """Per row: the first id, then the gaps. ``ids`` ``[N]`` int32; returns ``[N]`` int32, all
+    >= 0: raises unless every row is strictly ascending and starts at an id >= 0 (so every id
+    is >= 0)."""
     if int(lengths.sum()) != ids.size or (lengths < 0).any():
         raise ValueError(f"row_lengths sum to {int(lengths.sum())} but token_ids holds {ids.size} ids.")
-    deltas = np.diff(ids, prepend=0).astype(np.int64, copy=False)
+    if ids.size == 0:
+        return ids
+    # Differences of int32 ids in [0, 2**31) fit int32 (checked: the first ids below, the rest
+    # by ascending order).
+    deltas = np.empty_like(ids)
+    np.subtract(ids[1:], ids[:-1], out=deltas[1:])
     starts = np.cumsum(lengths) - lengths  # each row's first position (rows of 0 ids repeat one)
     starts = starts[starts < ids.size]
     # Every gap inside a row must be >= 1: check with the rows' first positions set to 1, then
     # put their ids there (one pass over the ids instead of a mask of the first positions).
     deltas[starts] = 1
-    if ids.size and deltas.min() <= 0:
+    if deltas.min() <= 0:
         raise ValueError(f"{DELTA_VARINT_ENCODING} needs strictly ascending rows.")
-    deltas[starts] = ids[starts]
+    firsts = ids[starts]
+    if firsts.min() < 0:
+        raise ValueError("sampling mask ids must lie in [0, 2**31 - 1].")
+    deltas[starts] = firsts
     return deltas
 
 
@@ -168,26 +181,28 @@ def _undo_row_deltas(lengths: np.ndarray, deltas: np.ndarray, total: int) -> np.
 
 
 def _varint_bytes(values: np.ndarray) -> bytes:
-    """Unsigned LEB128 of every value of ``values`` (``[N]`` int64, each in [0, 2**31)): one
-    byte per 7 bits, the high bit set on every byte but each value's last. Built column by
-    column over an ``[N, width]`` table (width: the bytes of the largest value), then every
-    value's bytes taken in order by one selection over the flat table (a selection over a 2-D
-    boolean index is ~2x slower)."""
-    v = values.astype(np.uint32)
-    if v.size == 0:
+    """Unsigned LEB128 of every value of ``values`` (``[N]`` int32 or int64, each in
+    [0, 2**31)): one byte per 7 bits, the high bit set on every byte but each value's last.
+    Built column by column over an ``[N, width]`` table (width: the bytes of the largest value),
+    from contiguous temporaries (numpy is several times slower on strided operands), then every
+    value's bytes taken in order by one selection over the flat table."""
+    if values.size == 0:
         return b""
+    v = values.astype(np.uint32, copy=False) if values.dtype != np.int32 else values.view(np.uint32)
     width = int(np.searchsorted(_VARINT_LIMITS, v.max(), side="right")) + 1
     groups = np.empty((v.size, width), dtype=np.uint8)
     keep = np.empty((v.size, width), dtype=bool)  # the bytes each value needs
     keep[:, 0] = True
-    for j in range(width):
-        rest = v >> (7 * j) if j else v
-        if j + 1 < width:
-            more = keep[:, j + 1]
-            np.greater_equal(rest, 0x80, out=more)  # another byte follows
-            groups[:, j] = (rest & 0x7F) | (more.view(np.uint8) << 7)
-        else:
-            groups[:, j] = rest
+    rest = v
+    for j in range(width - 1):
+        more = rest >= 0x80  # another byte follows
+        keep[:, j + 1] = more
+        byte = rest.astype(np.uint8)  # the low 8 bits
+        byte |= 0x80
+        byte &= (more.view(np.uint8) << 7) | 0x7F
+        groups[:, j] = byte
+        rest = rest >> 7
+    groups[:, width - 1] = rest
     return groups.compress(keep.ravel()).tobytes()
 
 
