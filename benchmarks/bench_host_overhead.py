@@ -10,7 +10,10 @@ with top_k ``--top-k``, through the same code the engine runs, each hop timed se
                        step's sampling call (``candidates``) and of stock vLLM's
                        (``stock_flashinfer``) on ``[R, V]`` fp32 CUDA logits; their
                        difference ``launch_extra`` is in the engine-core total, and so is
-                       ``launch_copy``: issuing the copy of the step's rows to the host;
+                       ``launch_copy``: what gets the step's rows to the host as the engine
+                       does it (a mapped host buffer for the kernel to write where the device
+                       has UVA: ``MappedRows``; ``launch_copy_device``, not in the totals:
+                       issuing the copy from device memory instead);
 - ``unpack``           worker: ``HostStepMasks.unpack``, the copied ``[R, 1 + W]`` counts + ids
                        -> the step's row bytes and offsets; ``unpack_overflow``: the same with
                        one row wider than W (expanded from the bitmap by ``expand_rows``);
@@ -210,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         timed("launch_candidates", *launch["candidates"])
         timed("launch_stock_flashinfer", *launch["stock_flashinfer"])
         timed("launch_copy", *launch["copy"])
+        timed("launch_copy_device", *launch["copy_device"])
     timed("unpack", lambda _: host.unpack(num_sampled))
     timed("unpack_overflow", lambda _: host_wide.unpack(num_sampled))
 
@@ -408,10 +412,13 @@ def cuda_launch_timers(num_requests: int, vocab_size: int, top_k: int
     """``{name: (run, setup)}`` timing the host side of a mask step's sampling call
     (``candidates``: ``sample_from_candidates``, the FlashInfer top-k and the Triton launch)
     and of stock vLLM's (``stock_flashinfer``: ``flashinfer_sample``) on the same ``[R, V]``
-    fp32 CUDA logits, top_k ``top_k``, top_p 0.95, and the issue of the copy of the mask step's
-    rows to the host (``copy``: ``DeviceStepMasks.copy_to_host_nonblocking``, on the current
-    stream as in the engine); ``None`` without CUDA or FlashInfer. ``setup`` waits for the GPU,
-    so each timed call starts with an idle queue."""
+    fp32 CUDA logits, top_k ``top_k``, top_p 0.95, and what gets the mask step's rows to the
+    host: ``copy``, as in the engine (a ``MappedRows`` buffer taken for the kernel, held by the
+    step's masks and released as unpack releases it; the issue of the copy where UVA is
+    missing), and ``copy_device``, the issue of the copy from device memory
+    (``DeviceStepMasks.copy_to_host_nonblocking``, on the current stream as in the engine);
+    ``None`` without CUDA or FlashInfer. ``setup`` waits for the GPU, so each timed call starts
+    with an idle queue."""
     import torch
 
     if not torch.cuda.is_available():
@@ -422,6 +429,7 @@ def cuda_launch_timers(num_requests: int, vocab_size: int, top_k: int
         return None
     from vllm_sampling_mask.worker.candidate_sampler import sample_from_candidates
     from vllm_sampling_mask.worker.compaction import CompactSupport
+    from vllm_sampling_mask.worker.sampler import mapped_rows_on
     from vllm_sampling_mask.worker.step_masks import DeviceStepMasks
 
     R = num_requests
@@ -442,14 +450,25 @@ def cuda_launch_timers(num_requests: int, vocab_size: int, top_k: int
                                   write_processed=False)
     device_masks = DeviceStepMasks(CompactSupport(step.packed, None, vocab_size))
 
+    mapped_rows = mapped_rows_on(logits.device)
+
     def idle() -> None:
         torch.cuda.synchronize()
 
+    def engine_copy(_: Any) -> Any:
+        slot = mapped_rows.take(R, 1 + top_k)
+        support = CompactSupport(slot.device_rows(R, 1 + top_k), None, vocab_size)
+        host = DeviceStepMasks(support, mapped=slot).copy_to_host_nonblocking()
+        slot.release()
+        return host
+
+    copy_device = (lambda _: device_masks.copy_to_host_nonblocking(), idle)
     return {
         "candidates": (lambda x: sample_from_candidates(x, top_k, slots, k, p, temperature,
                                                         seeds, pos, write_processed=False), setup),
         "stock_flashinfer": (lambda x: flashinfer_sample(x, k, p), setup),
-        "copy": (lambda _: device_masks.copy_to_host_nonblocking(), idle),
+        "copy": copy_device if mapped_rows is None else (engine_copy, idle),
+        "copy_device": copy_device,
     }
 
 

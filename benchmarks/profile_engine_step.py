@@ -11,7 +11,7 @@ sampling as ``bench_engine_throughput``), with wall timers around::
     GPUModelRunner.execute_model / sample_tokens   Sampler.__call__ / sample
     AsyncOutput.__init__ / get_output   OutputProcessor.process_outputs
     sample_from_candidates / compact_step (kernel launches)
-    DeviceStepMasks.copy_to_host_nonblocking   HostStepMasks.unpack
+    MappedRows.take   DeviceStepMasks.copy_to_host_nonblocking   HostStepMasks.unpack
 
 reported in ms per step (the timers nest: ``step`` contains most of the others). ``--cprofile``
 adds the top functions by own time of one more round; ``--cuda-profile`` the CUDA kernels of one
@@ -55,6 +55,7 @@ TIMED_FUNCTIONS = (
     ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
     ("vllm_sampling_mask.worker.sampler", None, "sample_from_candidates"),
     ("vllm_sampling_mask.worker.sampler", None, "compact_step"),
+    ("vllm_sampling_mask.worker.step_masks", "MappedRows", "take"),
     ("vllm_sampling_mask.worker.step_masks", "DeviceStepMasks", "copy_to_host_nonblocking"),
     ("vllm_sampling_mask.worker.step_masks", "HostStepMasks", "unpack"),
 )

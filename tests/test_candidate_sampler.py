@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import gc
+
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +15,8 @@ from vllm_sampling_mask.worker.candidate_sampler import (
     sample_from_candidates,
     top_candidates,
 )
+from vllm_sampling_mask.worker.compaction import CompactSupport
+from vllm_sampling_mask.worker.step_masks import DeviceStepMasks, MappedRows, uva_buffer
 
 DEVICES = [pytest.param("cpu", id="interpreter"),
            pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
@@ -31,7 +36,8 @@ def by_slot(values: list, dtype: torch.dtype, device: torch.device | str) -> tor
 def run(logits: torch.Tensor, top_k: list[int], top_p: list[float], *,
         seeds: list[int] | None = None, temperature: list[float] | None = None,
         pos: list[int] | None = None, num_candidates: int | None = None,
-        write_processed: bool = True, num_logprobs: int | None = None):
+        write_processed: bool = True, num_logprobs: int | None = None,
+        packed: torch.Tensor | None = None):
     """``sample_from_candidates`` with the rows' values laid out by ``row_slots``."""
     device = logits.device
     rows = logits.shape[0]
@@ -41,7 +47,7 @@ def run(logits: torch.Tensor, top_k: list[int], top_p: list[float], *,
         by_slot(temperature or [1.0] * rows, torch.float32, device),
         by_slot(seeds or list(range(rows)), torch.int64, device),
         torch.tensor(pos or [7] * rows, dtype=torch.int64, device=device), write_processed,
-        num_logprobs)
+        num_logprobs, packed)
 
 
 def rows_of(packed: torch.Tensor) -> list[list[int]]:
@@ -213,6 +219,61 @@ def test_candidate_count_bounds(device: str) -> None:
         run(logits, [5, 5], [1.0, 1.0], num_logprobs=6)
     empty = run(logits[:0], [5], [1.0], num_candidates=5, num_logprobs=2)
     assert empty.packed.shape == (0, 6) and empty.logprobs.shape == (0, 3)
+    with pytest.raises(ValueError, match="packed must be"):
+        run(logits, [5, 5], [1.0, 1.0], packed=torch.empty((2, 5), dtype=torch.int32,
+                                                             device=device))
+
+
+def cpu_buffer(words: int) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+    """A ``MappedRows`` buffer for the interpreter: host memory is the kernel's memory there."""
+    buffer = torch.zeros(words, dtype=torch.int32)
+    return buffer, buffer.numpy(), buffer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_writes_rows_into_mapped_host_buffers(device: str) -> None:
+    """Steps whose rows are written into mapped host buffers unpack to the rows the kernel
+    writes to device memory, also with every buffer read late (a buffer is handed out again only
+    once its step was unpacked or dropped); with all buffers busy a step gets none (the copy
+    path); a larger step replaces a buffer too small for it."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    mapped_rows = MappedRows(uva_buffer if device == "cuda" else cpu_buffer)
+    gen = torch.Generator().manual_seed(3)
+    top_k, top_p = [4, 9, 1], [1.0, 0.8, 1.0]
+
+    def step(logits: torch.Tensor):
+        """One mapped step: (its host masks, the rows the kernel writes to device memory)."""
+        slot = mapped_rows.take(logits.shape[0], 1 + max(top_k))
+        assert slot is not None
+        got = run(logits, top_k, top_p, packed=slot.device_rows(logits.shape[0], 1 + max(top_k)))
+        masks = DeviceStepMasks(CompactSupport(got.packed, None, logits.shape[1]), mapped=slot)
+        return masks.copy_to_host_nonblocking(), rows_of(run(logits, top_k, top_p).packed)
+
+    steps = [step(torch.randn(3, 300, generator=gen).to(device))
+             for _ in range(MappedRows.MAX_BUFFERS)]
+    assert mapped_rows.take(3, 1 + max(top_k)) is None  # every buffer waits for its reader
+    if device == "cuda":
+        torch.cuda.synchronize()  # what the step's copy event is for
+    for host, expected in steps:
+        assert host.unpack(np.ones(3, dtype=np.int32)).rows == [
+            np.asarray(row, dtype="<i4").tobytes() for row in expected]
+    # Read: every buffer is free again, and each new step's rows are its own.
+    host, expected = step(torch.randn(3, 300, generator=gen).to(device))
+    dropped = step(torch.randn(3, 300, generator=gen).to(device))
+    del dropped
+    gc.collect()
+    later, later_expected = step(torch.randn(3, 300, generator=gen).to(device))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for host, expected in [(host, expected), (later, later_expected)]:
+        assert [bytes(row) for row in host.unpack(np.ones(3, dtype=np.int32)).rows] == [
+            np.asarray(row, dtype="<i4").tobytes() for row in expected]
+    # A step larger than the buffers replaces one with a larger buffer.
+    num_rows = MappedRows.MIN_WORDS // 100
+    slot = mapped_rows.take(num_rows, 101)
+    assert slot.host.size >= num_rows * 101 > MappedRows.MIN_WORDS
+    assert slot.host_rows(num_rows, 101).shape == tuple(slot.device_rows(num_rows, 101).shape)
 
 
 @pytest.mark.gpu

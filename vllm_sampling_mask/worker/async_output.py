@@ -5,6 +5,8 @@ Our copy is issued on the main stream, where the sampler wrote the masks, just b
 and records the copy event after them, so that one event covers ours too: no extra sync, no
 stream switch, and ``get_output`` (which waits on the event) finds it complete. The device
 tensors stay referenced through ``sampler_output`` (held by the ``AsyncOutput``) until then.
+Rows the candidate kernel wrote into mapped host memory (``MappedRows``) need no copy: the same
+event fires after that kernel, which ran on the main stream before.
 """
 
 from __future__ import annotations

@@ -235,6 +235,7 @@ def sample_from_candidates(
     pos: torch.Tensor,
     write_processed: bool,
     num_logprobs: int | None = None,
+    packed: torch.Tensor | None = None,
 ) -> CandidateSample:
     """Top-k / top-p sample each row and return its kept set (no host sync).
 
@@ -249,6 +250,8 @@ def sample_from_candidates(
         write_processed: also return the ``[R, V]`` processed logits of the kept ids.
         num_logprobs: ``n``, ``0 <= n <= K``: also return the sampled token's processed logprob
             and rank and the ``n`` top processed logprobs (None: not).
+        packed: ``[R, 1 + K]`` int32, contiguous, where the kernel writes the kept ids (e.g. a
+            ``MappedRows`` buffer in host memory); None: a new tensor on the logits' device.
     """
     num_rows, vocab_size = logits.shape
     if not 1 <= num_candidates <= min(vocab_size, MAX_CANDIDATES):
@@ -260,8 +263,13 @@ def sample_from_candidates(
     if logits.stride(1) != 1:
         raise ValueError(f"logits must have a contiguous last dim, got strides {logits.stride()}")
     device = logits.device
+    if packed is None:
+        packed = torch.empty((num_rows, 1 + num_candidates), dtype=torch.int32, device=device)
+    elif (packed.shape != (num_rows, 1 + num_candidates) or packed.dtype != torch.int32
+          or not packed.is_contiguous()):
+        raise ValueError(f"packed must be a contiguous [{num_rows}, {1 + num_candidates}] int32 "
+                         f"tensor, got {packed.dtype} {tuple(packed.shape)}")
     sampled = torch.empty(num_rows, dtype=torch.int64, device=device)
-    packed = torch.empty((num_rows, 1 + num_candidates), dtype=torch.int32, device=device)
     result = CandidateSample(sampled, packed)
     if write_processed:
         result.processed = torch.full_like(logits, float("-inf"))

@@ -56,7 +56,9 @@ from vllm_sampling_mask.worker.step_masks import (
     NO_MASKS_WANTED,
     DeviceStepMasks,
     GroupedStepMasks,
+    MappedRows,
     compact_step,
+    uva_buffer,
 )
 
 logger = logging.getLogger("vllm_sampling_mask")
@@ -71,14 +73,17 @@ class SamplingMaskCapture:
     wants_masks: ``[max_num_reqs]`` bool, by vLLM's request slot: whether that request wants
     masks (set at ``Sampler.add_request``).
     use_flashinfer: what vLLM chose for this sampler; used by steps that capture nothing.
+    mapped_rows: host buffers the candidate kernel writes the rows into (CUDA with UVA; None:
+    the rows are written to device memory and copied).
     """
 
     def __init__(self, max_width: int, vocab_size: int, max_num_reqs: int = 0,
-                 use_flashinfer: bool = False):
+                 use_flashinfer: bool = False, mapped_rows: MappedRows | None = None):
         self.max_width = max_width
         self.vocab_size = vocab_size
         self.wants_masks = np.ones(max_num_reqs, dtype=bool)
         self.use_flashinfer = use_flashinfer
+        self.mapped_rows = mapped_rows
 
     def compact(self, processed_logits: torch.Tensor, top_k_np: np.ndarray,
                 row_wants: np.ndarray | None = None) -> DeviceStepMasks:
@@ -94,7 +99,8 @@ def attach_capture(sampler: Any, vllm_config: Any) -> None:
         return
     states = sampler.sampling_states
     sampler.__dict__[_CAPTURE_ATTR] = SamplingMaskCapture(
-        config.max_width, states.vocab_size, states.max_num_reqs, sampler.use_flashinfer
+        config.max_width, states.vocab_size, states.max_num_reqs, sampler.use_flashinfer,
+        mapped_rows_on(states.top_k.gpu.device),
     )
     sampler.use_flashinfer = False
     # FlashInfer JIT-compiles its top-k kernels on first use (minutes on a new machine): do it
@@ -105,6 +111,15 @@ def attach_capture(sampler: Any, vllm_config: Any) -> None:
         logger.warning("FlashInfer's top-k failed (%s: %s); the sampling-mask candidate sampler "
                        "uses torch.topk, which is slower.", type(exc).__name__, exc)
         use_torch_top_k()
+
+
+def mapped_rows_on(device: torch.device) -> MappedRows | None:
+    """``MappedRows`` for a CUDA device that can map pinned host memory, else None."""
+    from vllm.utils.platform_utils import is_uva_available
+
+    if device.type != "cuda" or not is_uva_available():
+        return None
+    return MappedRows(uva_buffer)
 
 
 def wrap_load_model(original: Any) -> Any:
@@ -188,17 +203,24 @@ def sample_with_candidates(
     states = sampler.sampling_states
     num_logprobs = (logprobs_from_candidates(sampler, args[2], logits.shape[1])
                     if return_logprobs else None)
+    num_candidates = max(max_top_k, num_logprobs or 0)
+    any_wants = row_wants.any()
+    mapped_rows = sampler.__dict__[_CAPTURE_ATTR].mapped_rows
+    mapped = (mapped_rows.take(logits.shape[0], 1 + num_candidates)
+              if any_wants and mapped_rows is not None else None)
     result = sample_from_candidates(
-        logits, max(max_top_k, num_logprobs or 0), args[1], states.top_k.gpu, states.top_p.gpu,
+        logits, num_candidates, args[1], states.top_k.gpu, states.top_p.gpu,
         states.temperature.gpu, states.seeds.gpu, args[3],
         write_processed=return_logprobs and num_logprobs is None, num_logprobs=num_logprobs,
+        packed=None if mapped is None else mapped.device_rows(logits.shape[0],
+                                                              1 + num_candidates),
     )
-    if not row_wants.any():
+    if not any_wants:
         sampler.__dict__[_PENDING_ATTR] = NO_MASKS_WANTED
     else:
         support = CompactSupport(result.packed, None, logits.shape[1])
         sampler.__dict__[_PENDING_ATTR] = DeviceStepMasks(
-            support, row_wants=None if row_wants.all() else row_wants)
+            support, row_wants=None if row_wants.all() else row_wants, mapped=mapped)
     if num_logprobs is not None:
         global _candidate_logprobs
         _candidate_logprobs = CandidateLogprobs(result.sampled, LogprobsTensors(

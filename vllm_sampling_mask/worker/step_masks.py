@@ -1,10 +1,11 @@
-"""Host side of one step's masks: device results -> async copy -> one host buffer of every
-request's row (int32 ids) with per-row offsets."""
+"""Host side of one step's masks: device results -> async copy (or the kernel's own writes into
+mapped host memory) -> one host buffer of every request's row (int32 ids) with per-row offsets."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,40 +124,151 @@ def expand_rows_to_host(support: CompactSupport, rows: np.ndarray,
     return host.numpy().astype("<i4", copy=False)
 
 
+class MappedRowsSlot:
+    """One pinned host buffer that the device can write (vLLM's ``UvaBuffer``): ``device`` and
+    ``host`` are ``[words]`` int32 views of the same memory. Busy from the step whose kernel
+    writes it until that step's rows were unpacked (or its masks garbage collected)."""
+
+    __slots__ = ("device", "host", "_owner", "_reader", "_shape", "_device_rows", "_host_rows")
+
+    def __init__(self, buffer: tuple[torch.Tensor, np.ndarray, object]):
+        self.device, self.host, self._owner = buffer  # _owner keeps the pinned memory alive
+        self._reader: weakref.ref[object] | None = None
+        self._shape: tuple[int, int] | None = None
+
+    @property
+    def busy(self) -> bool:
+        reader = self._reader
+        return reader is not None and reader() is not None
+
+    def hold(self, reader: object) -> None:
+        """``reader`` (a step's ``DeviceStepMasks``, then its ``HostStepMasks``) uses the buffer."""
+        self._reader = weakref.ref(reader)
+
+    def release(self) -> None:
+        self._reader = None
+
+    def device_rows(self, num_rows: int, row_words: int) -> torch.Tensor:
+        """``[num_rows, row_words]`` int32 device view of the buffer's start."""
+        self._reshape(num_rows, row_words)
+        return self._device_rows
+
+    def host_rows(self, num_rows: int, row_words: int) -> np.ndarray:
+        """``[num_rows, row_words]`` int32 host view of the same memory."""
+        self._reshape(num_rows, row_words)
+        return self._host_rows
+
+    def _reshape(self, num_rows: int, row_words: int) -> None:
+        # The views of the last shape are kept: a batch keeps its shape for many steps.
+        if self._shape != (num_rows, row_words):
+            words = num_rows * row_words
+            self._device_rows = self.device[:words].view(num_rows, row_words)
+            self._host_rows = self.host[:words].reshape(num_rows, row_words)
+            self._shape = (num_rows, row_words)
+
+
+class MappedRows:
+    """Up to ``MAX_BUFFERS`` mapped host buffers that the candidate kernel writes
+    a step's packed rows into: the host reads them in place after the step's copy event, so a
+    step issues no device->host copy and allocates no pinned block. A step that finds every
+    buffer busy (more steps in flight than buffers) gets ``None`` and takes the copy path.
+
+    ``allocate(words)`` returns ``(device view [words] int32, host view [words] int32, owner)``
+    of one new buffer (``uva_buffer`` on CUDA); a buffer too small for a step is replaced by
+    one twice its size or the step's, whichever is larger.
+    """
+
+    MAX_BUFFERS = 4
+    MIN_WORDS = 1 << 16  # 256 KiB: 64 rows of top_k 1024, 256 of top_k 200
+
+    def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, np.ndarray, object]]):
+        self._allocate = allocate
+        self._slots: list[MappedRowsSlot] = []
+
+    def take(self, num_rows: int, row_words: int) -> MappedRowsSlot | None:
+        """The first free buffer (with async scheduling two steps alternate between the first
+        two) of at least ``num_rows * row_words`` int32 words, or None."""
+        words = num_rows * row_words
+        slots = self._slots
+        for index, slot in enumerate(slots):
+            if not slot.busy:
+                if slot.host.size < words:
+                    slot = slots[index] = MappedRowsSlot(
+                        self._allocate(max(words, 2 * slot.host.size)))
+                return slot
+        if len(slots) < self.MAX_BUFFERS:
+            slots.append(MappedRowsSlot(self._allocate(max(words, self.MIN_WORDS))))
+            return slots[-1]
+        return None
+
+
+def uva_buffer(words: int) -> tuple[torch.Tensor, np.ndarray, object]:
+    """A ``MappedRows`` buffer of ``words`` int32 on CUDA: vLLM's ``UvaBuffer`` (pinned host
+    memory and its device mapping)."""
+    from vllm.v1.worker.gpu.buffer_utils import UvaBuffer
+
+    buffer = UvaBuffer(words, torch.int32)
+    return buffer.uva, buffer.np, buffer
+
+
 @dataclass
 class DeviceStepMasks:
     """One step's masks on the device, kept alive until its host copy is consumed.
 
     ``row_wants`` (``[R]`` bool, None: all rows) marks the rows whose requests want masks; the
-    others were sampled with the batch but are never read.
+    others were sampled with the batch but are never read. ``mapped``: the mapped host buffer
+    ``support.packed`` was written into (``MappedRows``), held by this step until unpacked.
     """
 
     support: CompactSupport
     row_wants: np.ndarray | None = None
+    mapped: MappedRowsSlot | None = None
+
+    def __post_init__(self) -> None:
+        if self.mapped is not None:
+            self.mapped.hold(self)
 
     def copy_to_host_nonblocking(self) -> HostStepMasks:
-        """Issue the device->host copy of ``packed`` on the current stream (the caller's copy
-        stream). A compaction wider than ``WIDE_UNPACK_WIDTH`` (top_k above it, top-p only)
-        copies only the counts: its rows are expanded on the device when unpacked, which copies
-        exactly their ids instead of mostly unused slots and needs no host-side joining."""
+        """Issue the device->host copy of ``packed`` on the current stream (none where the
+        kernel wrote it into mapped host memory). A compaction wider than ``WIDE_UNPACK_WIDTH``
+        (top_k above it, top-p only) copies only the counts: its rows are expanded on the
+        device when unpacked, which copies exactly their ids instead of mostly unused slots and
+        needs no host-side joining."""
+        if self.mapped is not None:
+            return HostStepMasks(self.mapped.host_rows(*self.support.packed.shape), self,
+                                 self.mapped)
         packed = self.support.packed
         if self.support.bits is not None and packed.shape[1] - 1 > WIDE_UNPACK_WIDTH:
             packed = packed[:, :1]  # [R, 1]: width 0, every row with ids is expanded
-        return HostStepMasks(packed=packed.to("cpu", non_blocking=True), device=self)
+        return HostStepMasks(packed.to("cpu", non_blocking=True).numpy(), self)
 
 
 @dataclass
 class HostStepMasks:
-    """Host tensors being filled by the async copy; read only after the copy event fired."""
+    """A step's packed rows on the host, being filled by the async copy or by the kernel itself
+    (``mapped``); read only after the copy event fired."""
 
-    packed: torch.Tensor  # [R, 1 + W] int32: count, then ids (see CompactSupport); W may be 0
+    packed: np.ndarray  # [R, 1 + W] int32: count, then ids (see CompactSupport); W may be 0
     device: DeviceStepMasks
+    mapped: MappedRowsSlot | None = None
+
+    def __post_init__(self) -> None:
+        if self.mapped is not None:
+            self.mapped.hold(self)
 
     def unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
         """The step's rows; ``num_sampled`` ``[R]`` int, rows with 0 sampled tokens are empty,
         rows of requests that opted out ``None``. Rows wider than W are expanded on the device
-        and copied in one piece (``expand_rows_to_host``)."""
-        packed = self.packed.numpy().astype("<i4", copy=False)  # a view on little-endian hosts
+        and copied in one piece (``expand_rows_to_host``). The rows are copied out of
+        ``packed``, whose mapped buffer is free for another step afterwards."""
+        try:
+            return self._unpack(num_sampled)
+        finally:
+            if self.mapped is not None:
+                self.mapped.release()
+
+    def _unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
+        packed = self.packed.astype("<i4", copy=False)  # a view on little-endian hosts
         num_rows, row_words = packed.shape
         width = row_words - 1
         counts = packed[:, 0].astype(np.int64)
