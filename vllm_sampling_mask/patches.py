@@ -134,7 +134,8 @@ PATCHES: list[Patch] = [
         target="vllm.v1.worker.gpu.async_utils:AsyncOutput.__init__",
         make=f"{_P}.worker.async_output:wrap_init",
         why="Device->host copy of the step's masks on the main stream just before vLLM's "
-        "copies, so that vLLM's own copy event covers it.",
+        "copies, so that vLLM's own copy event covers it (none where the candidate kernel "
+        "wrote them into mapped host memory: the same event covers that kernel).",
         process="worker",
     ),
     Patch(
