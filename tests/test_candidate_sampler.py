@@ -230,6 +230,33 @@ def cpu_buffer(words: int) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
     return buffer, buffer.numpy(), buffer
 
 
+class Reader:
+    """Stands for a step's masks holding a buffer (anything weakref-able)."""
+
+
+def test_mapped_rows_take_the_copy_path_once_an_allocation_failed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    allocations: list[int] = []
+
+    def allocate(words: int) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        allocations.append(words)
+        if len(allocations) > 1:
+            raise RuntimeError("cudaHostAlloc failed")
+        return cpu_buffer(words)
+
+    mapped_rows = MappedRows(allocate)
+    first = mapped_rows.take(2, 3)
+    reader = Reader()
+    first.hold(reader)
+    assert mapped_rows.take(2, 3) is None  # a second buffer was not allocated: the copy path
+    assert "not allocated" in caplog.text
+    assert mapped_rows.take(2, 3) is None and len(allocations) == 2  # not tried again
+    first.release()
+    assert mapped_rows.take(2, 3) is first  # the buffer made before still serves
+    assert mapped_rows.take(MappedRows.MIN_WORDS, 2) is None  # too small, and not replaced
+    assert len(allocations) == 2
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernel_writes_rows_into_mapped_host_buffers(device: str) -> None:
     """Steps whose rows are written into mapped host buffers unpack to the rows the kernel

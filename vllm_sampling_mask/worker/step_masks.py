@@ -4,6 +4,7 @@ mapped host memory) -> one host buffer of every request's row (int32 ids) with p
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ import numpy as np
 import torch
 
 from vllm_sampling_mask.worker.compaction import CompactSupport, compact_support, expand_rows
+
+logger = logging.getLogger("vllm_sampling_mask")
 
 
 @dataclass
@@ -168,10 +171,10 @@ class MappedRowsSlot:
 
 
 class MappedRows:
-    """Up to ``MAX_BUFFERS`` mapped host buffers that the candidate kernel writes
-    a step's packed rows into: the host reads them in place after the step's copy event, so a
-    step issues no device->host copy and allocates no pinned block. A step that finds every
-    buffer busy (more steps in flight than buffers) gets ``None`` and takes the copy path.
+    """Up to ``MAX_BUFFERS`` mapped host buffers that the candidate kernel writes a step's
+    packed rows into: the host reads them in place after the step's copy event, so a step issues
+    no device->host copy and allocates no pinned block. A step that finds every buffer busy
+    (more steps in flight than buffers) gets ``None`` and takes the copy path.
 
     ``allocate(words)`` returns ``(device view [words] int32, host view [words] int32, owner)``
     of one new buffer (``uva_buffer`` on CUDA); a buffer too small for a step is replaced by
@@ -184,22 +187,41 @@ class MappedRows:
     def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, np.ndarray, object]]):
         self._allocate = allocate
         self._slots: list[MappedRowsSlot] = []
+        self._allocation_failed = False
 
     def take(self, num_rows: int, row_words: int) -> MappedRowsSlot | None:
-        """The first free buffer (with async scheduling two steps alternate between the first
-        two) of at least ``num_rows * row_words`` int32 words, or None."""
+        """The first free buffer of at least ``num_rows * row_words`` int32 words, or None (every
+        buffer busy, or a new one could not be allocated)."""
         words = num_rows * row_words
         slots = self._slots
         for index, slot in enumerate(slots):
             if not slot.busy:
-                if slot.host.size < words:
-                    slot = slots[index] = MappedRowsSlot(
-                        self._allocate(max(words, 2 * slot.host.size)))
-                return slot
+                if slot.host.size >= words:
+                    return slot
+                grown = self._new_slot(max(words, 2 * slot.host.size))
+                if grown is not None:
+                    slots[index] = grown
+                return grown
         if len(slots) < self.MAX_BUFFERS:
-            slots.append(MappedRowsSlot(self._allocate(max(words, self.MIN_WORDS))))
-            return slots[-1]
+            new = self._new_slot(max(words, self.MIN_WORDS))
+            if new is not None:
+                slots.append(new)
+            return new
         return None
+
+    def _new_slot(self, words: int) -> MappedRowsSlot | None:
+        """A new buffer, or None: after a failed allocation (pinned memory is a limited resource)
+        no more are tried, and steps the buffers already made can't hold take the copy path."""
+        if self._allocation_failed:
+            return None
+        try:
+            return MappedRowsSlot(self._allocate(words))
+        except (RuntimeError, MemoryError) as exc:
+            self._allocation_failed = True
+            logger.warning("sampling masks: mapped host buffer of %d bytes not allocated (%s: %s); "
+                           "steps that need a new one copy their rows from device memory.",
+                           4 * words, type(exc).__name__, exc)
+            return None
 
 
 def uva_buffer(words: int) -> tuple[torch.Tensor, np.ndarray, object]:
