@@ -364,3 +364,46 @@ def test_tito_non_streamed_masked_requests_ask_for_the_final_output_only(stream,
                                               "sampling_params": {"max_tokens": 4, **params}})
     assert asyncio.run(wrap_serve_tokens(serve_tokens)(serving, request)) == "response"
     assert seen == [RequestOutputKind[expected]]
+
+
+# ------------------------------------------------------------------ response bodies
+
+
+def test_bodies_with_masks_are_written_by_msgspec_and_others_as_stock() -> None:
+    # The routers' JSONResponse (patched): a body whose choices carry sampling_mask is the same
+    # JSON, written by msgspec; any other body is Starlette's bytes exactly.
+    import importlib
+
+    from fastapi.responses import JSONResponse
+
+    from vllm_sampling_mask.entrypoints.json_response import carries_masks, mask_json_response
+
+    response_type = mask_json_response(JSONResponse)
+    for module in ("vllm.entrypoints.scale_out.token_in_token_out.api_router",
+                   "vllm.entrypoints.openai.completion.api_router",
+                   "vllm.entrypoints.openai.chat_completion.api_router"):
+        assert importlib.import_module(module).JSONResponse is response_type, module
+    compact = MaskOptions(True, "compact").render([[1, 5, 9], [2]])
+    choice = {"index": 0, "token_ids": [5, 2], "logprobs": {"content": [{"logprob": -0.25}]},
+              "finish_reason": "length"}
+    bodies = [
+        {"id": "cmpl-1", "choices": [{**choice, "sampling_mask": [[1, 5, 9], [2]]}],
+         "prompt_logprobs": [None, {7: {"logprob": -1.5}}]},
+        {"id": "cmpl-2", "choices": [{**choice, "sampling_mask": compact},
+                                     {**choice, "index": 1, "sampling_mask": compact}]},
+    ]
+    for body in bodies:
+        assert carries_masks(body)
+        rendered = response_type(content=body).body
+        assert json.loads(rendered) == json.loads(JSONResponse(content=body).body)
+    for body in [{"id": "cmpl-3", "choices": [choice]}, {"error": {"message": "bad", "code": 400}},
+                 {"choices": []}, [1, 2], None]:
+        assert not carries_masks(body)
+        assert response_type(content=body).body == JSONResponse(content=body).body
+    # A NaN logprob (a row that keeps nothing) is null, where json.dumps refuses the response.
+    nan_body = {"choices": [{**choice, "logprobs": {"content": [{"logprob": float("nan")}]},
+                             "sampling_mask": [[], []]}]}
+    assert json.loads(response_type(content=nan_body).body)["choices"][0]["logprobs"] == {
+        "content": [{"logprob": None}]}
+    with pytest.raises(ValueError):
+        JSONResponse(content=nan_body)

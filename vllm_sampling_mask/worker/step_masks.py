@@ -182,7 +182,7 @@ class MappedRows:
     """
 
     MAX_BUFFERS = 4
-    MIN_WORDS = 1 << 16  # 256 KiB: 64 rows of top_k 1024, 256 of top_k 200
+    MIN_WORDS = 1 << 16  # 256 KiB: 63 rows of top_k 1024, 326 of top_k 200
 
     def __init__(self, allocate: Callable[[int], tuple[torch.Tensor, np.ndarray, object]]):
         self._allocate = allocate
