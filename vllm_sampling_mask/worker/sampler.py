@@ -170,7 +170,8 @@ def wrap_sample(original: Any) -> Any:
         top_k_np = self.sampling_states.top_k.np[idx_mapping_np]
         max_top_k = int(top_k_np.max())
         if max_top_k <= min(MAX_CANDIDATES, capture.max_width):
-            return sample_with_candidates(self, args, max_top_k, return_logprobs, row_wants)
+            return sample_with_candidates(self, capture, args, max_top_k, return_logprobs,
+                                          row_wants)
         any_wants = bool(row_wants.any())
         self.use_flashinfer = capture.use_flashinfer and not any_wants
         sampled, processed_logits = original(self, *args, return_logprobs=return_logprobs)
@@ -185,8 +186,8 @@ def wrap_sample(original: Any) -> Any:
 
 
 def sample_with_candidates(
-    sampler: Any, args: tuple[Any, ...], max_top_k: int, return_logprobs: bool,
-    row_wants: np.ndarray,
+    sampler: Any, capture: SamplingMaskCapture, args: tuple[Any, ...], max_top_k: int,
+    return_logprobs: bool, row_wants: np.ndarray,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``Sampler.sample`` of a step whose top_k are all <= ``MAX_CANDIDATES``: vLLM's
     transforms up to min-p, then the candidate sampler; leaves the step's masks pending.
@@ -205,7 +206,7 @@ def sample_with_candidates(
                     if return_logprobs else None)
     num_candidates = max(max_top_k, num_logprobs or 0)
     any_wants = row_wants.any()
-    mapped_rows = sampler.__dict__[_CAPTURE_ATTR].mapped_rows
+    mapped_rows = capture.mapped_rows
     mapped = (mapped_rows.take(logits.shape[0], 1 + num_candidates)
               if any_wants and mapped_rows is not None else None)
     result = sample_from_candidates(

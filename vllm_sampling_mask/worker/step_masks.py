@@ -282,14 +282,8 @@ class HostStepMasks:
         """The step's rows; ``num_sampled`` ``[R]`` int, rows with 0 sampled tokens are empty,
         rows of requests that opted out ``None``. Rows wider than W are expanded on the device
         and copied in one piece (``expand_rows_to_host``). The rows are copied out of
-        ``packed``, whose mapped buffer is free for another step afterwards."""
-        try:
-            return self._unpack(num_sampled)
-        finally:
-            if self.mapped is not None:
-                self.mapped.release()
-
-    def _unpack(self, num_sampled: np.ndarray) -> StepSamplingMasks:
+        ``packed``, whose mapped buffer is free for another step afterwards (or, where this
+        raises, once this object is dropped)."""
         packed = self.packed.astype("<i4", copy=False)  # a view on little-endian hosts
         num_rows, row_words = packed.shape
         width = row_words - 1
@@ -330,6 +324,8 @@ class HostStepMasks:
         if opted_out is not None:
             starts, starts_list = _writable(starts), None
             starts[opted_out] = -1
+        if self.mapped is not None:
+            self.mapped.release()  # blob, starts and ends are copies
         return StepSamplingMasks(blob, starts.tolist() if starts_list is None else starts_list,
                                  ends.tolist())
 
