@@ -192,6 +192,32 @@ def test_profile_engine_step_times_functions_that_exist() -> None:
             assert callable(getattr(owner, attr)), (module_name, class_name, attr)
 
 
+def test_http_profile_summarizes_the_busiest_thread_and_the_plugins_frames() -> None:
+    # py-spy's raw format: one line per distinct stack, outermost frame first, then its count.
+    sys.path.insert(0, str(BENCHMARKS))
+    from profile_http_server import summarize_stacks
+
+    raw = "\n".join([
+        "thread (1): MainThread;run (loop.py:10);step (core.py:5);"
+        "hand_out (vllm_sampling_mask/core/scheduler.py:120) 7",
+        "thread (1): MainThread;run (loop.py:10);step (core.py:5);"
+        "hand_out (vllm_sampling_mask/core/scheduler.py:121);join (x.py:3) 2",
+        "thread (1): MainThread;run (loop.py:11);step (core.py:6) 4",
+        "thread (2): Thread-1;poll (zmq.py:9);hand_out (vllm_sampling_mask/core/scheduler.py:1) 5",
+        "not a stack line",
+    ])
+    summary = summarize_stacks(raw, top=10)
+    assert summary["threads"] == {"thread (1): MainThread": 13, "thread (2): Thread-1": 5}
+    assert summary["main_samples"] == 13
+    # Inclusive counts merge a function's lines; the other thread's samples are not in them.
+    assert summary["inclusive"]["run (loop.py)"] == 13
+    assert summary["inclusive"]["hand_out (vllm_sampling_mask/core/scheduler.py)"] == 9
+    assert summary["plugin"] == {
+        "hand_out (vllm_sampling_mask/core/scheduler.py) -> <self>": 7,
+        "hand_out (vllm_sampling_mask/core/scheduler.py) -> join (x.py)": 2}
+    assert summarize_stacks("", top=10)["main_samples"] == 0
+
+
 def test_engine_throughput_pairs_the_on_engine_with_its_own_opted_out_rounds() -> None:
     # --same-process-optout: on/on_optout pairs the two modes of one process, whether or not a
     # stock engine ran beside it; on/stock and on_optout/stock still pair with stock's rounds.
