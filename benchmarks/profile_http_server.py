@@ -108,29 +108,31 @@ def engine_core_pids(server_pid: int) -> list[int]:
             if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline())]
 
 
-def record(py_spy: str, pids: dict[str, int], rate: int, folder: Path) -> list[tuple[str, Path, Any]]:
+def record(py_spy: str, pids: dict[str, int], rate: int,
+           folder: Path) -> list[tuple[str, Path, subprocess.Popen[bytes]]]:
     """Start one ``py-spy record`` per process; returns (name, raw file, recorder)."""
     recorders = []
     for name, pid in pids.items():
         path = folder / f"{name}.txt"
-        recorder = subprocess.Popen(
-            [py_spy, "record", "-p", str(pid), "--nonblocking", "--threads", "-r", str(rate),
-             "-f", "raw", "-o", str(path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        with open(folder / f"{name}.err", "w") as errors:  # a file: a pipe could fill and block
+            recorder = subprocess.Popen(
+                [py_spy, "record", "-p", str(pid), "--nonblocking", "--threads", "-r", str(rate),
+                 "-f", "raw", "-o", str(path)], stdout=subprocess.DEVNULL, stderr=errors)
         recorders.append((name, path, recorder))
     time.sleep(1.0)  # attached before the round starts
     return recorders
 
 
-def stop(recorders: list[tuple[str, Path, Any]], top: int) -> dict[str, Any]:
+def stop(recorders: list[tuple[str, Path, subprocess.Popen[bytes]]], top: int) -> dict[str, Any]:
     """SIGINT every recorder (py-spy then writes its file) and summarise each file."""
     for _, _, recorder in recorders:
         recorder.send_signal(signal.SIGINT)
     out = {}
     for name, path, recorder in recorders:
-        _, stderr = recorder.communicate(timeout=120)
+        recorder.wait(timeout=120)
         if not path.exists():
-            raise RuntimeError(f"py-spy wrote nothing for {name}: {stderr[-500:]}")
+            errors = path.with_suffix(".err").read_text()
+            raise RuntimeError(f"py-spy wrote nothing for {name}: {errors[-500:]}")
         out[name] = summarize_stacks(path.read_text(), top)
     return out
 
