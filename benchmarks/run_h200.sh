@@ -43,10 +43,11 @@
 #             (one set of engine processes per call at B=1/64/256; pool the calls' JSON with
 #             pool_paired_rounds.py, each call a cluster); with B (e.g. 256) that batch size
 #             alone, 3 generations of 4 rounds: three clusters per call          (~6-9 min)
-#   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled       (~7 min)
+#   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled, 6 rounds
+#             (the rounds of C=64 spread ~4%: pool several servers' JSON)         (~5 min)
 #   http_stop HTTP at concurrency 1 and 64, rows held (off / compact) and, in the same
 #             rounds, sent every step (off_stop / compact_stop: a never-matching stop
-#             string), compiled                                                     (~5 min)
+#             string), compiled, 6 rounds                                           (~6 min)
 #   v1        the V1-runner GPU tests, ngram speculative decoding included           (~5 min)
 #   spec      EAGLE speculative decoding on Model Runner V2, the GPU test
 #   families  the MoE, hybrid and vision-language GPU tests (carry .vstage5: MoE kernels;
@@ -215,13 +216,13 @@ case "${1:-}" in
   http)
     bench bench_host_overhead host_overhead 60 --pin-fastest
     bench bench_http_throughput http 330 /root/models/qwen3-0.6b "${compiled[@]}" \
-      --concurrency 1,64
+      --concurrency 1,64 --rounds 6
     ;;
   http_stop)
     # One server, rows held until the end (off / compact) against rows sent every step
     # (off_stop / compact_stop: a stop string no output contains)
     bench bench_http_throughput http_stop 480 /root/models/qwen3-0.6b "${compiled[@]}" \
-      --concurrency 1,64 --modes off,compact,off_stop,compact_stop
+      --concurrency 1,64 --modes off,compact,off_stop,compact_stop --rounds 6
     ;;
   v1)
     PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
