@@ -56,7 +56,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="Timed rounds per recording (default 2; --small: 1).")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second.")
     parser.add_argument("--top", type=int, default=40, help="Functions kept per process.")
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                        help="Eager server (default: compiled, as run_h200.sh's HTTP runs; "
+                        "--small: always eager).")
     parser.add_argument("--out", type=Path, help="Write the report as JSON here.")
     args = parser.parse_args(argv)
     for name, full, small in (("concurrency", 64, 2), ("reps", 2, 1), ("rounds", 2, 1)):
