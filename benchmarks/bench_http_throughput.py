@@ -151,6 +151,16 @@ def server_environment(small: bool) -> dict[str, str]:
     return env
 
 
+def model_path(args: argparse.Namespace) -> str:
+    """The model to serve: ``args.model``, else the tiny local model (``--small``, built once)
+    or ``DEFAULT_MODEL``."""
+    if args.model is None and args.small:
+        from vllm_sampling_mask.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(SMALL_MODEL_DIR))
+    return args.model or DEFAULT_MODEL
+
+
 def serve_command(args: argparse.Namespace, model: str, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
            "--host", "127.0.0.1", "--port", str(port), "--return-sampling-mask",
@@ -379,11 +389,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.model is None and args.small:
-        from vllm_sampling_mask.tiny_model import build_tiny_model
-
-        args.model = str(build_tiny_model(SMALL_MODEL_DIR))
-    model = args.model or DEFAULT_MODEL
+    model = model_path(args)
+    if args.small:
+        args.model = model  # the report's config names the tiny model it built
     if args.log is None:
         fd, name = tempfile.mkstemp(prefix="bench-http-serve-", suffix=".log")
         os.close(fd)

@@ -8,9 +8,9 @@ the engine core, ``--rounds`` timed rounds, the recorders stopped. Per mode and 
 report holds the main thread's samples, the functions with the most samples in their stacks
 (inclusive) and, for frames of ``vllm_sampling_mask``, the plugin's innermost frame with the
 call it was in (its self time and what it called): what masks add to each process, beside the
-rounds' tokens/s, tokens per step and latencies. Samples are taken at ``--rate`` per second of
-*CPU activity*, so a sample count / rate is CPU seconds (a thread spinning in a CUDA sync counts
-as active).
+rounds' tokens/s, tokens per step and latencies. py-spy samples ``--rate`` times a second and
+drops the stacks of idle threads, so a sample count / rate is the seconds a thread was active (a
+thread spinning in a CUDA sync counts as active).
 
 Needs ``py-spy`` (``pip install py-spy``; on the device, carry its wheel and install it with
 ``pip install --no-index --target DIR``) and permission to read the server's memory (same user,
@@ -145,11 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         [*([args.model] if args.model else []), *(["--small"] if args.small else []),
          "--concurrency", str(args.concurrency),
          "--enforce-eager" if args.enforce_eager or args.small else "--no-enforce-eager"])
-    model = bench_args.model or http_bench.DEFAULT_MODEL
-    if bench_args.model is None and args.small:
-        from vllm_sampling_mask.tiny_model import build_tiny_model
-
-        model = str(build_tiny_model(http_bench.SMALL_MODEL_DIR))
+    model = http_bench.model_path(bench_args)
     folder = Path(tempfile.mkdtemp(prefix="http-profile-"))
     cmd = http_bench.serve_command(bench_args, model, http_bench.free_port())
     concurrency = args.concurrency
