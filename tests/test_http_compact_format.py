@@ -154,3 +154,28 @@ def test_int32_arrays_encode_as_int64_arrays_do(encoding: str) -> None:
             == encode_compact_arrays(lengths, ids, encoding))
     with pytest.raises(ValueError, match="must lie in"):
         encode_compact_arrays(np.array([2]), np.array([-5, 3], dtype=np.int32), encoding)
+
+
+@pytest.mark.parametrize("rows", CASES.values(), ids=CASES.keys())
+def test_delta_varint_payloads_of_blocks_concatenate(rows: list[list[int]]) -> None:
+    """Rows encoded a block at a time (as a request's rows arrive) join into the payload of all
+    of them, which decodes back to the rows; the dict made from it is ``encode_compact``'s."""
+    from vllm_sampling_mask.compact_format import (
+        decode_delta_varint_payload,
+        delta_varint_payload,
+        encode_delta_varint_payload,
+    )
+
+    def payload_of(block: list[list[int]]) -> bytes:
+        return delta_varint_payload(np.array([len(r) for r in block], dtype=np.int64),
+                                    np.array([i for r in block for i in r], dtype=np.int32))
+
+    lengths = [len(r) for r in rows]
+    for cut in sorted({0, len(rows) // 3, len(rows) // 2, len(rows)}):
+        payload = payload_of(rows[:cut]) + payload_of(rows[cut:])
+        assert payload == payload_of(rows)
+        assert decode_delta_varint_payload(lengths, payload).tolist() == [i for r in rows for i in r]
+        assert encode_delta_varint_payload(lengths, payload) == encode_compact(
+            rows, encoding=DELTA_VARINT_ENCODING)
+    with pytest.raises(ValueError, match="inconsistent"):
+        decode_delta_varint_payload([*lengths, 1], payload_of(rows))

@@ -407,3 +407,23 @@ def test_bodies_with_masks_are_written_by_msgspec_and_others_as_stock() -> None:
         "content": [{"logprob": None}]}
     with pytest.raises(ValueError):
         JSONResponse(content=nan_body)
+
+
+def test_render_sends_a_mask_kept_as_delta_varints_as_it_is() -> None:
+    """A compact response's mask whose rows were encoded as they arrived is sent without
+    encoding them again (nor decoding them); JSON lists decode it."""
+    from array import array
+
+    from vllm_sampling_mask.engine.output_processor import RequestMaskRows
+
+    rows = [[1, 5, 151935], [2], [], [0, 7]]
+    holder = RequestMaskRows(final_only=True, varint=True)
+    for row in rows:
+        holder.append(array("i", row).tobytes())
+    mask = holder.take_last(len(rows))
+    assert mask.delta_varint() is not None
+    compact = MaskOptions(True, "compact")
+    assert compact.renders_delta_varint and not MaskOptions(True, "json").renders_delta_varint
+    assert compact.render(mask) == compact.render(rows)
+    assert mask._rows is None  # not decoded
+    assert MaskOptions(True, "json").render(mask) == rows

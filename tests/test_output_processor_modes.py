@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from copy import copy
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -71,7 +72,7 @@ class FakeEngineCore:
     sent_rows: dict[str, list[Row]] = field(default_factory=dict)
     with_masks: bool = True
     held: dict[str, list[Row]] = field(default_factory=dict)
-    held_rows: int = 256  # rows go out once a request has this many (HELD_STEPS, one a step)
+    held_rows: int = 64  # rows go out once a request has this many (HELD_STEPS, one a step)
 
     def row(self, request_id: str, token: int) -> Row:
         """Row of the request's next token: ``k`` is 1, 2, 3, 1, ... in order of first output."""
@@ -305,6 +306,72 @@ def test_final_only_rows_read_as_one_sequence() -> None:
     assert held.take_last(len(rows)).token_ids == rows and len(held) == 0
     with pytest.raises(ValueError, match="FINAL_ONLY"):
         RequestMaskRows(streaming=True, held=True)
+
+
+def test_rows_of_an_http_compact_request_are_kept_as_delta_varints(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """FINAL_ONLY requests added inside ``rows_kept_as_delta_varint`` (an HTTP request answered
+    in ``csr-delta-varint-base64``) encode their rows a block at a time as they arrive, held or
+    every step; the final mask hands out that encoding and reads as the rows sent. Requests of
+    other kinds, or added outside the block, keep int32 bytes."""
+    from vllm_sampling_mask.compact_format import delta_varint_payload
+    from vllm_sampling_mask.engine.output_processor import COMPACT_ROWS, rows_kept_as_delta_varint
+
+    processor = make_processor(tokenizer)
+    engine = FakeEngineCore(held_rows=COMPACT_ROWS)
+    with rows_kept_as_delta_varint():
+        add(processor, "held", FINAL_ONLY, max_tokens=1000)
+        add(processor, "step", FINAL_ONLY, max_tokens=1000, **EVERY_STEP)
+        add(processor, "delta", DELTA, max_tokens=1000)
+        add(processor, "cumulative", CUMULATIVE, max_tokens=1000)
+    add(processor, "outside", FINAL_ONLY, max_tokens=1000)
+    engine.held.update(held=[], outside=[])
+    holders = {rid: state.__dict__["sampling_mask_rows"]
+               for rid, state in processor.request_states.items()}
+    assert {rid for rid, h in holders.items() if h.varint} == {"held", "step"}
+    tokens = (text_tokens * 100)[:2 * COMPACT_ROWS + 5]
+    finals = {}
+    for i, token in enumerate(tokens):
+        finish = FinishReason.LENGTH if i == len(tokens) - 1 else None
+        for request_output in process(processor, *(engine.output(rid, [token], finish)
+                                                    for rid in holders)):
+            finals[request_output.request_id] = request_output.outputs[0]
+        if i == 2 * COMPACT_ROWS:  # two blocks each, encoded: ~2 bytes an id here, not 4
+            for rid in ("held", "step"):
+                assert len(holders[rid].blocks) == 2
+                rows = engine.sent_rows[rid][:2 * COMPACT_ROWS]
+                assert b"".join(holders[rid].blocks) == delta_varint_payload(
+                    np.array([len(r) for r in rows]), np.array([t for r in rows for t in r],
+                                                              dtype=np.int32))
+    for rid, completion in finals.items():
+        if rid == "delta":
+            continue
+        mask = completion.sampling_mask
+        assert (mask.delta_varint() is not None) == (rid in ("held", "step"))
+        assert mask.token_ids == engine.sent_rows[rid]
+        assert_aligned(completion)
+
+
+def test_a_row_the_varint_encoding_refuses_leaves_the_rows_in_int32() -> None:
+    """Rows the delta encoding refuses (not ascending: a bug upstream) turn the holder's blocks
+    back into int32 bytes, so the response's own encoding reports the problem; every row is
+    kept, and a snapshot of fewer rows than held works from the same blocks."""
+    from vllm_sampling_mask.engine.output_processor import COMPACT_ROWS, RequestMaskRows
+
+    rows = [[i, 5000 + i] for i in range(COMPACT_ROWS)] + [[9, 3]] + [[1, 2]] * COMPACT_ROWS
+    holder = RequestMaskRows(final_only=True, varint=True)
+    for row in rows[:COMPACT_ROWS]:
+        holder.append(mask_row(row))
+    assert holder.varint and len(holder.blocks) == 1
+    assert holder.snapshot_last(2).token_ids == rows[COMPACT_ROWS - 2:COMPACT_ROWS]
+    for row in rows[COMPACT_ROWS:]:
+        holder.append(mask_row(row))
+    assert not holder.varint
+    mask = holder.take_last(len(rows))
+    assert mask.delta_varint() is None and mask.token_ids == rows
+    with pytest.raises(ValueError, match="FINAL_ONLY"):
+        RequestMaskRows(streaming=True, varint=True)
 
 
 def test_cumulative_outputs_carry_all_rows_so_far(

@@ -80,9 +80,45 @@ def encode_compact_arrays(row_lengths: np.ndarray, token_ids: np.ndarray,
         payload = _varint_bytes(_row_deltas(lengths, ids))
     else:
         raise ValueError(f"sampling mask encoding must be one of {ENCODINGS}, got {encoding!r}.")
+    return _compact_dict(encoding, lengths, payload)
+
+
+def delta_varint_payload(row_lengths: np.ndarray, token_ids: np.ndarray) -> bytes:
+    """The ``token_ids`` bytes of ``csr-delta-varint-base64`` before base64 (``row_lengths``
+    ``[T]`` int64, ``token_ids`` ``[N]`` int32). Payloads of consecutive blocks of rows
+    concatenate into the payload of all of them (every row starts afresh), so rows can be
+    encoded as they arrive. Raises ``ValueError`` like ``encode_compact``."""
+    return _varint_bytes(_row_deltas(row_lengths, token_ids))
+
+
+def encode_delta_varint_payload(row_lengths: Sequence[int] | np.ndarray, payload: bytes) -> dict[str, Any]:
+    """The ``csr-delta-varint-base64`` dict of rows already encoded by ``delta_varint_payload``."""
+    return _compact_dict(DELTA_VARINT_ENCODING, row_lengths, payload)
+
+
+def decode_delta_varint_payload(row_lengths: Sequence[int] | np.ndarray, payload: bytes) -> np.ndarray:
+    """``[N]`` int32 ids of a ``delta_varint_payload`` (``row_lengths`` ``[T]``, each >= 0):
+    its inverse. Raises ``ValueError`` on a truncated or overlong varint, an id above
+    2**31 - 1, or lengths that disagree with the ids."""
+    lengths = np.asarray(row_lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    ids = _undo_row_deltas(lengths, _varint_values(payload), total)
+    if ids.size and ids.max() > np.iinfo(np.int32).max:
+        raise ValueError("compact sampling mask token_ids holds an id above 2**31 - 1.")
+    _check_total(total, ids.size)
+    return ids.astype(np.int32)
+
+
+def _check_total(total: int, num_ids: int) -> None:
+    if total != num_ids:
+        raise ValueError(f"compact sampling mask is inconsistent: row_lengths sum to {total} "
+                         f"but token_ids holds {num_ids} ids.")
+
+
+def _compact_dict(encoding: str, row_lengths: Sequence[int] | np.ndarray, payload: bytes) -> dict[str, Any]:
     return {
         "encoding": encoding,
-        "row_lengths": base64.b64encode(lengths.astype("<i4").tobytes()).decode(),
+        "row_lengths": base64.b64encode(np.asarray(row_lengths).astype("<i4").tobytes()).decode(),
         "token_ids": base64.b64encode(payload).decode(),
     }
 
@@ -103,18 +139,11 @@ def decode_compact_arrays(encoded: dict[str, Any]) -> tuple[np.ndarray, np.ndarr
     payload = _b64_field(encoded, "token_ids")
     if (lengths < 0).any():
         raise ValueError("compact sampling mask is inconsistent: negative row length.")
-    total = int(lengths.sum(dtype=np.int64))
     if encoding == COMPACT_ENCODING:
         ids = _int32_array(payload, "token_ids")
+        _check_total(int(lengths.sum(dtype=np.int64)), ids.size)
     else:
-        ids = _undo_row_deltas(lengths, _varint_values(payload), total)
-        if ids.size and ids.max() > np.iinfo(np.int32).max:
-            raise ValueError("compact sampling mask token_ids holds an id above 2**31 - 1.")
-    if total != ids.size:
-        raise ValueError(
-            f"compact sampling mask is inconsistent: row_lengths sum to {total} "
-            f"but token_ids holds {ids.size} ids."
-        )
+        ids = decode_delta_varint_payload(lengths, payload)
     return lengths.astype(np.int32), ids.astype(np.int32)
 
 

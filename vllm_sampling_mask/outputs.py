@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from vllm_sampling_mask.compact_format import decode_delta_varint_payload
+
 
 _new_object = object.__new__
 
@@ -25,15 +27,18 @@ class SamplingMask:
     ``csr()`` reads them as numpy arrays without building the lists at all (what
     ``vllm_sampling_mask.training.PackedMasks.from_any`` uses). The mask of a CUMULATIVE output
     (non-streaming HTTP) is live: it reads the request's row buffer, which keeps growing with the
-    request like the output's ``token_ids`` list.
+    request like the output's ``token_ids`` list. The mask of a request the HTTP server answers
+    in ``csr-delta-varint-base64`` holds its rows in that form (``delta_varint()``), encoded as
+    they arrived.
     """
 
-    __slots__ = ("_rows", "_row_lengths", "_blob")
+    __slots__ = ("_rows", "_row_lengths", "_blob", "_varint")
 
     def __init__(self, token_ids: list[list[int]] | None = None) -> None:
         self._rows: list[list[int]] | None = [] if token_ids is None else token_ids
         self._row_lengths: Sequence[int] | None = None
         self._blob: bytes | bytearray | None = None
+        self._varint: bytes | None = None  # _blob's rows as delta_varint_payload (no _blob)
 
     @classmethod
     def from_wire(cls, row_lengths: Sequence[int], blob: bytes | bytearray) -> SamplingMask:
@@ -41,7 +46,15 @@ class SamplingMask:
         (decoded lazily). A ``bytearray`` blob (with its lengths) is read live: rows appended to
         both later are part of the mask."""
         mask = cls.__new__(cls)
-        mask._rows, mask._row_lengths, mask._blob = None, row_lengths, blob
+        mask._rows, mask._row_lengths, mask._blob, mask._varint = None, row_lengths, blob, None
+        return mask
+
+    @classmethod
+    def from_delta_varint(cls, row_lengths: Sequence[int], payload: bytes) -> SamplingMask:
+        """Rows of ``row_lengths[i]`` ids each, as ``compact_format.delta_varint_payload``
+        encoded them (decoded lazily; ``delta_varint()`` hands them out as they are)."""
+        mask = cls.__new__(cls)
+        mask._rows, mask._row_lengths, mask._blob, mask._varint = None, row_lengths, None, payload
         return mask
 
     @classmethod
@@ -50,19 +63,21 @@ class SamplingMask:
         built without the general path's calls, since the frontend builds one per request per
         step."""
         mask = _new_object(cls)
-        mask._rows, mask._row_lengths, mask._blob = None, (len(row) >> 2,), row
+        mask._rows, mask._row_lengths, mask._blob, mask._varint = None, (len(row) >> 2,), row, None
         return mask
 
     @classmethod
     def concat(cls, masks: Sequence[SamplingMask]) -> SamplingMask:
-        """The rows of ``masks``, in order (stays undecoded if none of them is decoded)."""
-        if all(mask._rows is None for mask in masks):
+        """The rows of ``masks``, in order (stays undecoded if every one holds int32 bytes)."""
+        if all(mask._blob is not None and mask._rows is None for mask in masks):
             return cls.from_wire([n for mask in masks for n in mask._row_lengths],
                                  b"".join(mask._blob for mask in masks))
         return cls([row for mask in masks for row in mask.token_ids])
 
     @property
     def token_ids(self) -> list[list[int]]:
+        if self._varint is not None:
+            self._blob, self._varint = self._int32_bytes(), None
         if self._blob is not None and (self._rows is None
                                        or len(self._rows) < len(self._row_lengths)):
             self._decode()
@@ -70,7 +85,7 @@ class SamplingMask:
 
     @token_ids.setter
     def token_ids(self, rows: list[list[int]]) -> None:
-        self._rows, self._row_lengths, self._blob = rows, None, None
+        self._rows, self._row_lengths, self._blob, self._varint = rows, None, None, None
 
     def _decode(self) -> None:
         """Decode the rows not decoded yet; keep the bytes only while they are live."""
@@ -86,9 +101,22 @@ class SamplingMask:
         if not isinstance(self._blob, bytearray):
             self._row_lengths, self._blob = None, None
 
+    def _int32_bytes(self) -> bytes:
+        """The ``_varint`` rows as little-endian int32 bytes."""
+        ids = decode_delta_varint_payload(self._row_lengths, self._varint)
+        return ids.astype("<i4", copy=False).tobytes()
+
+    def delta_varint(self) -> tuple[Sequence[int], bytes] | None:
+        """``(row_lengths, payload)`` of a mask that holds its rows as
+        ``compact_format.delta_varint_payload`` (see the class docstring), else ``None``."""
+        return None if self._varint is None else (self._row_lengths, self._varint)
+
     def csr(self) -> tuple[np.ndarray, np.ndarray]:
         """``(row_lengths [T] int64, token_ids [N] int32)``: the rows as CSR arrays (read-only
         views of the engine's bytes when ``token_ids`` was never accessed)."""
+        if self._varint is not None:
+            return (np.asarray(self._row_lengths, dtype=np.int64),
+                    decode_delta_varint_payload(self._row_lengths, self._varint))
         if self._blob is not None:
             # A live buffer is copied: a view would stop the request from appending to it.
             blob = bytes(self._blob) if isinstance(self._blob, bytearray) else self._blob
@@ -119,6 +147,8 @@ class SamplingMask:
         return f"SamplingMask(token_ids={self.token_ids!r})"
 
     def __getstate__(self) -> tuple[list[list[int]] | None, list[int] | None, bytes | None]:
+        if self._varint is not None:
+            return None, list(self._row_lengths), self._int32_bytes()
         if self._blob is None:
             return self._rows, None, None
         if self._rows is not None and len(self._rows) == len(self._row_lengths):
@@ -128,6 +158,7 @@ class SamplingMask:
     def __setstate__(self, state: tuple[list[list[int]] | None, list[int] | None,
                                         bytes | None]) -> None:
         self._rows, self._row_lengths, self._blob = state
+        self._varint = None
 
 
 UPSTREAM_MODULE = "vllm.sampling_mask"

@@ -36,9 +36,11 @@ logger = logging.getLogger("vllm_sampling_mask")
 
 _HELD_ATTR = "sampling_mask_held"
 _STEPS_ATTR = "sampling_mask_steps"
-HELD_STEPS = 256
-"""Held rows go out every this many steps (<= 256 rows a request, ~50 KB at top_k 50; more under
-speculative decoding), and with each request's last output."""
+HELD_STEPS = 64
+"""Held rows go out every this many steps (<= 64 rows a request, ~13 KB at top_k 50; more under
+speculative decoding), and with each request's last output. The frontend joins (or encodes:
+``RequestMaskRows.varint``) them as they come, so that little is left for a request's end,
+where requests of equal length all end in the same step."""
 
 
 def wrap_init(original: Any) -> Any:

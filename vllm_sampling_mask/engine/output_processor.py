@@ -8,18 +8,30 @@ DELTA rows are dropped once handed out). The rows live on vLLM's ``RequestState`
 freed with it (finish, abort, disconnect).
 
 The engine core holds the rows of most FINAL_ONLY requests (``config.rows_held_until_finish``)
-and sends them every 256 steps and with the last output: while only such requests are in
-flight, a step's pass here looks up just the outputs that carry rows or finish.
+and sends them every ``HELD_STEPS`` (64) steps and with the last output: while only such
+requests are in flight, a step's pass here looks up just the outputs that carry rows or finish.
+
+A FINAL_ONLY request that the HTTP server will answer with a ``csr-delta-varint-base64`` mask
+(``rows_kept_as_delta_varint``) keeps its rows in that form, encoded a block of
+``COMPACT_ROWS`` at a time as they arrive: requests that finish in the same step (a batch of
+equal-length rollouts) then leave the API server one block each to encode, not every row, and
+the next requests are not kept waiting behind that work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from array import array
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
+import numpy as np
+
 from vllm_sampling_mask import patching
+from vllm_sampling_mask.compact_format import decode_delta_varint_payload, delta_varint_payload
 from vllm_sampling_mask.config import REQUEST_KEY, request_wants_masks, rows_held_until_finish
 from vllm_sampling_mask.engine.transport import MASK_BUG_HINT, fail_output, rows_mask
 from vllm_sampling_mask.outputs import SamplingMask
@@ -41,6 +53,21 @@ COMPLETION_OUTPUT_METHOD = "vllm.v1.engine.output_processor:RequestState._new_co
 COMPACT_ROWS = 64
 """A FINAL_ONLY request joins its rows into one block every this many rows."""
 
+_delta_varint_rows: ContextVar[bool] = ContextVar("vllm_sampling_mask_delta_varint_rows",
+                                                  default=False)
+
+
+@contextlib.contextmanager
+def rows_kept_as_delta_varint() -> Iterator[None]:
+    """FINAL_ONLY requests added to the output processor inside this block (the HTTP layer's
+    call for one request that returns ``csr-delta-varint-base64``) keep their rows in that
+    form: their masks' ``SamplingMask.delta_varint()``."""
+    token = _delta_varint_rows.set(True)
+    try:
+        yield
+    finally:
+        _delta_varint_rows.reset(token)
+
 
 class RequestMaskRows:
     """One request's rows, kept as the little-endian int32 bytes they came in.
@@ -52,26 +79,31 @@ class RequestMaskRows:
       rows' bytes objects as they arrived (no copy per step);
     - FINAL_ONLY (``LLM.generate``, non-streaming ``/inference/v1/generate``): the rows are
       taken once, at the end (``take_last``). They arrive one a step (stop strings) or, where
-      the engine core holds them (``held``), every 256 steps and at the end; ``pending``
+      the engine core holds them (``held``), every 64 steps and at the end; ``pending``
       keeps them as they came and every ``COMPACT_ROWS`` or more of them are joined into one
       block of ``blocks`` (their lengths in ``lengths``): ~4 bytes per kept id, and no buffer
-      that grows by a row a step (one per request, re-allocated and copied as it grows);
+      that grows by a row a step (one per request, re-allocated and copied as it grows).
+      With ``varint`` each block is ``compact_format.delta_varint_payload`` of its rows
+      instead (~2 bytes per id at top_k 50 over a 151,936-token vocabulary);
     - CUMULATIVE (other non-streaming outputs): one growing buffer of ids (``blob``) and one
       length per row; every output gets ``live()``, a mask over these buffers that grows with
       the request, as the detokenizer's token list handed out with it does.
     """
 
-    __slots__ = ("lengths", "blob", "pending", "blocks", "held")
+    __slots__ = ("lengths", "blob", "pending", "blocks", "held", "varint")
 
     def __init__(self, streaming: bool = False, final_only: bool = False,
-                 held: bool = False) -> None:
+                 held: bool = False, varint: bool = False) -> None:
         if held and not final_only:
             raise ValueError("only a FINAL_ONLY request's rows are held until its end")
+        if varint and not final_only:
+            raise ValueError("only a FINAL_ONLY request's rows are kept as delta varints")
         self.lengths = array("i")  # ids per row (FINAL_ONLY: per row of ``blocks``)
         self.blob = bytearray()  # CUMULATIVE: every row's ids, concatenated
         self.pending: list[bytes] | None = [] if streaming or final_only else None
         self.blocks: list[bytes] | None = [] if final_only else None
-        self.held = held  # the engine core sends the rows every 256 steps and at the end
+        self.held = held  # the engine core sends the rows every 64 steps and at the end
+        self.varint = varint  # blocks are delta_varint_payload, not int32 bytes
 
     def __len__(self) -> int:
         if self.pending is None:
@@ -91,7 +123,7 @@ class RequestMaskRows:
 
     def extend(self, rows: list[bytes], compact: bool = True) -> None:
         """Add several tokens' wire rows (a speculative-decoding step; a held request's, every
-        256 steps and at the end). ``compact=False``: the request's last rows, taken next (one
+        64 steps and at the end). ``compact=False``: the request's last rows, taken next (one
         join there, not two)."""
         pending = self.pending
         if pending is None:
@@ -103,10 +135,22 @@ class RequestMaskRows:
             self.compact()
 
     def compact(self) -> None:
-        """FINAL_ONLY: join the pending rows into one block."""
+        """FINAL_ONLY: join the pending rows into one block (``varint``: encode them)."""
         pending = self.pending
-        self.lengths.extend([len(row) >> 2 for row in pending])
-        self.blocks.append(b"".join(pending))
+        lengths = [len(row) >> 2 for row in pending]
+        block = b"".join(pending)
+        if self.varint:
+            try:
+                block = delta_varint_payload(np.array(lengths, dtype=np.int64),
+                                             np.frombuffer(block, dtype="<i4"))
+            except ValueError:
+                # Rows the encoding refuses (not ascending: a bug upstream) stay int32 bytes,
+                # the blocks before them too, so that the response's own encoding reports them.
+                self.varint = False
+                if self.blocks:
+                    self.blocks = [_int32_bytes(self.lengths, b"".join(self.blocks))]
+        self.lengths.extend(lengths)
+        self.blocks.append(block)
         pending.clear()
 
     def drop(self) -> None:
@@ -139,7 +183,14 @@ class RequestMaskRows:
     def snapshot_last(self, num_rows: int) -> SamplingMask:
         """The last ``num_rows`` rows as they are now (a copy); nothing is dropped. Not for
         streaming holders."""
-        if self.blocks is not None:
+        if self.varint and self.pending:
+            self.compact()  # the last rows: one more block
+        if self.varint:
+            lengths, blob = self.lengths.tolist(), b"".join(self.blocks)
+            if len(lengths) == num_rows:
+                return SamplingMask.from_delta_varint(lengths, blob)
+            blob = _int32_bytes(lengths, blob)
+        elif self.blocks is not None:
             lengths = self.lengths.tolist() + [len(row) >> 2 for row in self.pending]
             blob = b"".join([*self.blocks, *self.pending])
             if len(lengths) == num_rows:  # every row: the join is the mask's own (no copy)
@@ -151,19 +202,26 @@ class RequestMaskRows:
         return SamplingMask.from_wire(lengths[dropped:], bytes(memoryview(blob)[start:]))
 
 
+def _int32_bytes(lengths: Any, payload: bytes) -> bytes:
+    """Rows of ``compact_format.delta_varint_payload`` as little-endian int32 bytes."""
+    return decode_delta_varint_payload(lengths, payload).astype("<i4", copy=False).tobytes()
+
+
 def mask_rows_of(state: Any, held: bool = False) -> RequestMaskRows:
     """The row list of a mask engine's request state, made on first use together with the
     state's own ``_new_completion_output`` that attaches the rows (other states keep vLLM's).
-    ``held``: the engine core holds the rows, sent every 256 steps and with the last output
-    (FINAL_ONLY only)."""
+    ``held``: the engine core holds the rows, sent every 64 steps and with the last output
+    (FINAL_ONLY only). A FINAL_ONLY state made inside ``rows_kept_as_delta_varint`` keeps its
+    rows in that form."""
     holder = state.__dict__.get(_ROWS_ATTR)
     if holder is None:
         from vllm.sampling_params import RequestOutputKind
 
         kind = getattr(state, "output_kind", None)
+        final_only = kind is RequestOutputKind.FINAL_ONLY
         holder = state.__dict__[_ROWS_ATTR] = RequestMaskRows(
-            streaming=kind is RequestOutputKind.DELTA,
-            final_only=kind is RequestOutputKind.FINAL_ONLY, held=held)
+            streaming=kind is RequestOutputKind.DELTA, final_only=final_only, held=held,
+            varint=final_only and _delta_varint_rows.get())
         patching.patch_instance(COMPLETION_OUTPUT_METHOD, state)
     return holder
 

@@ -11,7 +11,7 @@ the request finishes, is aborted, or its client disconnects. On a server started
 ``vllm_sampling_mask:held_rows``
     the mask rows they hold in total: every row so far of a non-streaming request, only the rows
     not yet handed out of a streaming one (rows are dropped once a chunk carries them). A
-    non-streaming request without stop strings gets its rows from the engine core every 256 steps
+    non-streaming request without stop strings gets its rows from the engine core every 64 steps
     and at its end (the engine core holds the others: ``core/scheduler.py``).
 
 Both return to 0 once no request is in flight; a value that stays above

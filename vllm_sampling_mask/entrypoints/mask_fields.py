@@ -25,6 +25,7 @@ from vllm_sampling_mask.compact_format import (
     DELTA_VARINT_ENCODING,
     encode_compact,
     encode_compact_arrays,
+    encode_delta_varint_payload,
 )
 from vllm_sampling_mask.outputs import SamplingMask
 
@@ -58,12 +59,22 @@ class MaskOptions:
     enabled: bool = False
     format: str = JSON_FORMAT
 
+    @property
+    def renders_delta_varint(self) -> bool:
+        """Whether masks go out as ``csr-delta-varint-base64`` (a mask that already holds its
+        rows in that form is sent as it is)."""
+        return self.enabled and self.format == COMPACT_FORMAT and (
+            HTTP_COMPACT_ENCODING == DELTA_VARINT_ENCODING)
+
     def render(self, rows: SamplingMask | Sequence[Sequence[int]]) -> Any:
         """``rows`` (a whole completion's ``SamplingMask``, or a chunk's rows) as the JSON value
         of ``sampling_mask``: nested lists, or the compact dict. A mask goes to the compact
-        dict from its CSR arrays, never through Python lists."""
+        dict from its CSR arrays, or its encoded rows, never through Python lists."""
         if isinstance(rows, SamplingMask):
             if self.format == COMPACT_FORMAT:
+                encoded = rows.delta_varint() if self.renders_delta_varint else None
+                if encoded is not None:
+                    return encode_delta_varint_payload(*encoded)
                 return encode_compact_arrays(*rows.csr(), encoding=HTTP_COMPACT_ENCODING)
             return rows.token_ids
         if self.format == COMPACT_FORMAT:

@@ -19,6 +19,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from vllm_sampling_mask.config import REQUEST_KEY, SamplingMaskConfig
+from vllm_sampling_mask.engine.output_processor import rows_kept_as_delta_varint
 from vllm_sampling_mask.entrypoints.mask_fields import DISABLED, MaskOptions
 from vllm_sampling_mask.outputs import SamplingMask
 
@@ -37,10 +38,13 @@ def engine_masks_enabled(serving: Any) -> bool:
 
 @contextlib.contextmanager
 def request_options(options: MaskOptions) -> Iterator[None]:
-    """Make ``options`` the current request's (for the builders called inside this block)."""
+    """Make ``options`` the current request's (for the builders called inside this block); a
+    request answered in ``csr-delta-varint-base64`` has its rows kept in that form as they
+    arrive (``rows_kept_as_delta_varint``: its engine request is added inside this block)."""
     token = _options.set(options)
     try:
-        yield
+        with rows_kept_as_delta_varint() if options.renders_delta_varint else contextlib.nullcontext():
+            yield
     finally:
         _options.reset(token)
 
