@@ -132,7 +132,7 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict
     tokens (a bug: one row each)."""
     blob, starts, ends = step.blob, step.starts, step.ends
     sliced_from_view = blob.__class__ is not bytes  # rows expanded on the device
-    held_rows_of = held.get if held else None  # bound once: the loop runs per output
+    held_rows_of = held.get  # bound once: the loop runs per output
     several: list[Any] = []
     for engine_core_outputs in outputs.values():
         for output in engine_core_outputs.outputs:
@@ -150,7 +150,7 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict
                 output.sampling_mask = None
                 continue
             row = bytes(blob[start : ends[r]]) if sliced_from_view else blob[start : ends[r]]
-            rows = None if held_rows_of is None else held_rows_of(request_id)
+            rows = held_rows_of(request_id)
             if rows is None:
                 output.sampling_mask = row
                 continue
