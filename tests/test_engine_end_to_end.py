@@ -51,10 +51,10 @@ def test_rows_without_logprobs_and_streaming_style_outputs(llm) -> None:
 
 
 @pytest.mark.skipif(ENV_HELD_STEPS not in os.environ,
-                    reason="engine cores send held rows every 256 steps (cpu_test_env sets 5)")
+                    reason="engine cores send held rows every 64 steps (cpu_test_env sets 5)")
 def test_held_rows_leave_the_engine_core_mid_request(llm, monkeypatch) -> None:
     """LLM.generate's requests (FINAL_ONLY, no stop strings) have their rows held in the engine
-    core, which on CPU sends them every 5 steps (``cpu_test_env``; 256 elsewhere): rows reach
+    core, which on CPU sends them every 5 steps (``cpu_test_env``; 64 elsewhere): rows reach
     the frontend in pieces before the end and the mask still has one row per token, in order."""
     from vllm import SamplingParams
 

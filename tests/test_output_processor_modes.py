@@ -353,6 +353,27 @@ def test_rows_of_an_http_compact_request_are_kept_as_delta_varints(
         assert_aligned(completion)
 
 
+def test_only_http_compact_requests_keep_their_rows_as_delta_varints(
+    tokenizer: TokenizerLike
+) -> None:
+    """``request_options`` (the HTTP entries' block around vLLM's call) makes the FINAL_ONLY row
+    list of a request added inside it keep delta varints when its masks go out compact; JSON
+    requests, and requests added outside, keep int32 bytes."""
+    from vllm_sampling_mask.entrypoints.mask_fields import MaskOptions
+    from vllm_sampling_mask.entrypoints.serving import request_options
+
+    processor = make_processor(tokenizer)
+    with request_options(MaskOptions(True, "compact")):
+        add(processor, "compact", FINAL_ONLY)
+        add(processor, "compact_cumulative", CUMULATIVE)
+    with request_options(MaskOptions(True, "json")):
+        add(processor, "json", FINAL_ONLY)
+    add(processor, "outside", FINAL_ONLY)
+    varint = {rid for rid, state in processor.request_states.items()
+              if state.__dict__["sampling_mask_rows"].varint}
+    assert varint == {"compact"}
+
+
 def test_a_row_the_varint_encoding_refuses_leaves_the_rows_in_int32() -> None:
     """Rows the delta encoding refuses (not ascending: a bug upstream) turn the holder's blocks
     back into int32 bytes, so the response's own encoding reports the problem; every row is

@@ -91,12 +91,14 @@ def delta_varint_payload(row_lengths: np.ndarray, token_ids: np.ndarray) -> byte
     return _varint_bytes(_row_deltas(row_lengths, token_ids))
 
 
-def encode_delta_varint_payload(row_lengths: Sequence[int] | np.ndarray, payload: bytes) -> dict[str, Any]:
+def encode_delta_varint_payload(row_lengths: Sequence[int] | np.ndarray,
+                                payload: bytes) -> dict[str, Any]:
     """The ``csr-delta-varint-base64`` dict of rows already encoded by ``delta_varint_payload``."""
     return _compact_dict(DELTA_VARINT_ENCODING, row_lengths, payload)
 
 
-def decode_delta_varint_payload(row_lengths: Sequence[int] | np.ndarray, payload: bytes) -> np.ndarray:
+def decode_delta_varint_payload(row_lengths: Sequence[int] | np.ndarray,
+                                payload: bytes) -> np.ndarray:
     """``[N]`` int32 ids of a ``delta_varint_payload`` (``row_lengths`` ``[T]``, each >= 0):
     its inverse. Raises ``ValueError`` on a truncated or overlong varint, an id above
     2**31 - 1, or lengths that disagree with the ids."""
@@ -115,7 +117,8 @@ def _check_total(total: int, num_ids: int) -> None:
                          f"but token_ids holds {num_ids} ids.")
 
 
-def _compact_dict(encoding: str, row_lengths: Sequence[int] | np.ndarray, payload: bytes) -> dict[str, Any]:
+def _compact_dict(encoding: str, row_lengths: Sequence[int] | np.ndarray,
+                  payload: bytes) -> dict[str, Any]:
     return {
         "encoding": encoding,
         "row_lengths": base64.b64encode(np.asarray(row_lengths).astype("<i4").tobytes()).decode(),

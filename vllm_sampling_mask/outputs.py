@@ -38,7 +38,7 @@ class SamplingMask:
         self._rows: list[list[int]] | None = [] if token_ids is None else token_ids
         self._row_lengths: Sequence[int] | None = None
         self._blob: bytes | bytearray | None = None
-        self._varint: bytes | None = None  # _blob's rows as delta_varint_payload (no _blob)
+        self._varint: bytes | None = None  # the rows as delta_varint_payload (_blob is None)
 
     @classmethod
     def from_wire(cls, row_lengths: Sequence[int], blob: bytes | bytearray) -> SamplingMask:

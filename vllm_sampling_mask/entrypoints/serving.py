@@ -42,8 +42,10 @@ def request_options(options: MaskOptions) -> Iterator[None]:
     request answered in ``csr-delta-varint-base64`` has its rows kept in that form as they
     arrive (``rows_kept_as_delta_varint``: its engine request is added inside this block)."""
     token = _options.set(options)
+    rows_form = (rows_kept_as_delta_varint() if options.renders_delta_varint
+                 else contextlib.nullcontext())
     try:
-        with rows_kept_as_delta_varint() if options.renders_delta_varint else contextlib.nullcontext():
+        with rows_form:
             yield
     finally:
         _options.reset(token)

@@ -1,11 +1,11 @@
 """``vllm.general_plugins`` entry point: a mask engine core that sends held rows every few steps.
 
 The engine core holds the rows of FINAL_ONLY requests without stop strings and sends them every
-``HELD_STEPS`` (256) steps and with the last output. CPU generations run a few dozen steps at
-most, so with 256 they never send rows mid-request. With ``VLLM_SAMPLING_MASK_TEST_HELD_STEPS``
+``HELD_STEPS`` (64) steps and with the last output. CPU generations run a few dozen steps at
+most, so with 64 they seldom send rows mid-request. With ``VLLM_SAMPLING_MASK_TEST_HELD_STEPS``
 set (``cpu_test_env()`` sets it), every engine process started by ``multiprocessing`` (the engine
 core, workers) uses that many steps instead: the CPU end-to-end tests then cross mid-request
-flushes too. The test process itself (no parent process) keeps 256, which its unit tests assume,
+flushes too. The test process itself (no parent process) keeps 64, which its unit tests assume,
 and a process whose ``VLLM_PLUGINS`` leaves the plugin out (stock engines) imports nothing of it.
 """
 
