@@ -6,8 +6,11 @@ step through the output processor's per-request storage (``RequestMaskRows.appen
 ``/inference/v1/generate`` and ``LLM.generate``: the rows are taken once, at the end) or
 ``cumulative`` (every step's output gets its live mask, ``RequestMaskRows.live``, what
 ``_new_completion_output`` attaches; the consumer keeps only the latest output, as the API
-server's non-streaming handlers do). ``tracemalloc`` measures what is held before the end,
-against 4 bytes per kept id (issue 11: <= 1.25 x)::
+server's non-streaming handlers do) or ``http_compact`` (``final_only`` for a request the HTTP
+server answers in ``csr-delta-varint-base64``: its rows are encoded a block at a time as they
+arrive; the row is then ``--row-ids`` ascending ids drawn from a 151,936-token vocabulary, since
+the encoding's size depends on their gaps). ``tracemalloc`` measures what is held before the
+end, against 4 bytes per kept id (issue 11: <= 1.25 x)::
 
     python benchmarks/bench_frontend_memory.py --out bench_out/frontend_memory.json  # ~1 min
     python benchmarks/bench_frontend_memory.py --small
@@ -31,7 +34,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--row-ids", type=int, default=50, help="Kept ids per row (top_k).")
-    parser.add_argument("--output-kind", choices=("final_only", "cumulative"),
+    parser.add_argument("--output-kind", choices=("final_only", "cumulative", "http_compact"),
                         default="final_only")
     parser.add_argument("--small", action="store_true", help="16 requests x 1024 tokens.")
     parser.add_argument("--out", type=Path)
@@ -47,12 +50,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from vllm_sampling_mask.engine.output_processor import RequestMaskRows
 
     args = parse_args(argv)
-    row = np.arange(args.row_ids, dtype="<i4").tobytes()  # one wire row (contents don't matter)
+    varint = args.output_kind == "http_compact"
+    if varint:  # the encoding's size depends on the gaps between ids: a top-k row's
+        ids = np.random.default_rng(0).choice(151936, args.row_ids, replace=False)
+        row = np.sort(ids).astype("<i4").tobytes()
+    else:  # one wire row (contents don't matter)
+        row = np.arange(args.row_ids, dtype="<i4").tobytes()
     gc.collect()
     tracemalloc.start()
     began = time.perf_counter()
     cumulative = args.output_kind == "cumulative"
-    holders = [RequestMaskRows(final_only=not cumulative) for _ in range(args.requests)]
+    holders = [RequestMaskRows(final_only=not cumulative, varint=varint)
+               for _ in range(args.requests)]
     latest = [None] * args.requests
     for _ in range(args.tokens):
         for r, holder in enumerate(holders):
