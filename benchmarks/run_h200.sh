@@ -121,7 +121,9 @@ tests_path="$PWD:$PWD/tests:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
 # can skip the JIT on a new machine: FlashInfer loads a module from its AOT directory
 # (flashinfer/data/aot/<name>/<name>.so) without ninja when the file is there. `jit` leaves
 # both libraries in $out as <name>.so.xz (~8 MB); copied into a git-ignored .vstage4/ here and
-# carried (with .vstage1 it fits the 64 MiB carry limit), they are installed before any group.
+# carried, they are installed before any group (.vstage1 and .vstage4 together no longer fit the
+# 64 MiB carry limit beside the repo: carry .vstage4 in a call of its own that copies it to
+# /root/vstage4, and copy it back to .vstage4 in the call that runs a group).
 # (A copy of the whole JIT cache did not work: ninja rebuilt it against this machine's paths.)
 # Not under SMALL=1, which runs on the dev machine's own FlashInfer.
 if [ -z "$small" ] && compgen -G ".vstage4/*.so.xz" > /dev/null; then
