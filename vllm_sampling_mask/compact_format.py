@@ -111,6 +111,11 @@ def decode_delta_varint_payload(row_lengths: Sequence[int] | np.ndarray,
     return ids.astype(np.int32)
 
 
+def delta_varint_as_int32le(row_lengths: Sequence[int] | np.ndarray, payload: bytes) -> bytes:
+    """The rows of a ``delta_varint_payload`` as little-endian int32 bytes (the wire rows)."""
+    return decode_delta_varint_payload(row_lengths, payload).astype("<i4", copy=False).tobytes()
+
+
 def _check_total(total: int, num_ids: int) -> None:
     if total != num_ids:
         raise ValueError(f"compact sampling mask is inconsistent: row_lengths sum to {total} "

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vllm_sampling_mask.compact_format import decode_delta_varint_payload
+from vllm_sampling_mask.compact_format import decode_delta_varint_payload, delta_varint_as_int32le
 
 
 _new_object = object.__new__
@@ -77,7 +77,8 @@ class SamplingMask:
     @property
     def token_ids(self) -> list[list[int]]:
         if self._varint is not None:
-            self._blob, self._varint = self._int32_bytes(), None
+            self._blob = delta_varint_as_int32le(self._row_lengths, self._varint)
+            self._varint = None
         if self._blob is not None and (self._rows is None
                                        or len(self._rows) < len(self._row_lengths)):
             self._decode()
@@ -100,11 +101,6 @@ class SamplingMask:
         self._rows = rows
         if not isinstance(self._blob, bytearray):
             self._row_lengths, self._blob = None, None
-
-    def _int32_bytes(self) -> bytes:
-        """The ``_varint`` rows as little-endian int32 bytes."""
-        ids = decode_delta_varint_payload(self._row_lengths, self._varint)
-        return ids.astype("<i4", copy=False).tobytes()
 
     def delta_varint(self) -> tuple[Sequence[int], bytes] | None:
         """``(row_lengths, payload)`` of a mask that holds its rows as
@@ -148,7 +144,8 @@ class SamplingMask:
 
     def __getstate__(self) -> tuple[list[list[int]] | None, list[int] | None, bytes | None]:
         if self._varint is not None:
-            return None, list(self._row_lengths), self._int32_bytes()
+            return None, list(self._row_lengths), delta_varint_as_int32le(self._row_lengths,
+                                                                          self._varint)
         if self._blob is None:
             return self._rows, None, None
         if self._rows is not None and len(self._rows) == len(self._row_lengths):

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from vllm_sampling_mask import patching
-from vllm_sampling_mask.compact_format import decode_delta_varint_payload, delta_varint_payload
+from vllm_sampling_mask.compact_format import delta_varint_as_int32le, delta_varint_payload
 from vllm_sampling_mask.config import REQUEST_KEY, request_wants_masks, rows_held_until_finish
 from vllm_sampling_mask.engine.transport import MASK_BUG_HINT, fail_output, rows_mask
 from vllm_sampling_mask.outputs import SamplingMask
@@ -148,7 +148,7 @@ class RequestMaskRows:
                 # the blocks before them too, so that the response's own encoding reports them.
                 self.varint = False
                 if self.blocks:
-                    self.blocks = [_int32_bytes(self.lengths, b"".join(self.blocks))]
+                    self.blocks = [delta_varint_as_int32le(self.lengths, b"".join(self.blocks))]
         self.lengths.extend(lengths)
         self.blocks.append(block)
         pending.clear()
@@ -189,7 +189,7 @@ class RequestMaskRows:
             lengths, blob = self.lengths.tolist(), b"".join(self.blocks)
             if len(lengths) == num_rows:
                 return SamplingMask.from_delta_varint(lengths, blob)
-            blob = _int32_bytes(lengths, blob)
+            blob = delta_varint_as_int32le(lengths, blob)
         elif self.blocks is not None:
             lengths = self.lengths.tolist() + [len(row) >> 2 for row in self.pending]
             blob = b"".join([*self.blocks, *self.pending])
@@ -200,11 +200,6 @@ class RequestMaskRows:
         dropped = len(lengths) - num_rows
         start = 4 * sum(lengths[:dropped]) if dropped else 0
         return SamplingMask.from_wire(lengths[dropped:], bytes(memoryview(blob)[start:]))
-
-
-def _int32_bytes(lengths: Any, payload: bytes) -> bytes:
-    """Rows of ``compact_format.delta_varint_payload`` as little-endian int32 bytes."""
-    return decode_delta_varint_payload(lengths, payload).astype("<i4", copy=False).tobytes()
 
 
 def mask_rows_of(state: Any, held: bool = False) -> RequestMaskRows:
