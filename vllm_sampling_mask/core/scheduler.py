@@ -136,27 +136,25 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict
     several: list[Any] = []
     for engine_core_outputs in outputs.values():
         for output in engine_core_outputs.outputs:
-            num_new = len(output.new_token_ids)
-            if num_new != 1:
-                if num_new:
-                    several.append(output)
-                elif held and output.finish_reason is not None:
-                    _send_held_rows(output, held)  # a finish without a token
-                continue  # no token (stale frame, finish only): no row
-            request_id = output.request_id
-            r = index[request_id]
-            start = starts[r]
-            if start < 0:
-                output.sampling_mask = None
-                continue
-            row = bytes(blob[start : ends[r]]) if sliced_from_view else blob[start : ends[r]]
-            rows = held_rows_of(request_id)
-            if rows is None:
-                output.sampling_mask = row
-                continue
-            rows.append(row)
-            if flush or output.finish_reason is not None:
-                _send_held_rows(output, held)
+            # One new token first, with the fewest checks: every output of every step takes it.
+            if len(output.new_token_ids) == 1:
+                request_id = output.request_id
+                r = index[request_id]
+                start = starts[r]
+                if start < 0:
+                    continue  # opted out: no row (the field's default)
+                row = bytes(blob[start : ends[r]]) if sliced_from_view else blob[start : ends[r]]
+                rows = held_rows_of(request_id)
+                if rows is None:
+                    output.sampling_mask = row
+                else:
+                    rows.append(row)
+                    if flush or output.finish_reason is not None:
+                        _send_held_rows(output, held)
+            elif output.new_token_ids:
+                several.append(output)
+            elif held and output.finish_reason is not None:
+                _send_held_rows(output, held)  # a finish without a token
     return several
 
 
