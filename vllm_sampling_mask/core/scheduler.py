@@ -155,6 +155,7 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict
                 several.append(output)
             elif held and output.finish_reason is not None:
                 _send_held_rows(output, held)  # a finish without a token
+            # else no token (a stale async frame, a partial prefill chunk): no row
     return several
 
 
