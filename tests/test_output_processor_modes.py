@@ -264,7 +264,7 @@ def test_final_only_request_holds_its_rows_in_blocks(
                                 else [mask_row(row) for row in rows])
         if finish is None:
             assert process(processor, output) == []
-            holder = processor.request_states["a"].__dict__["sampling_mask_rows"]
+            holder = processor.request_states["a"].sampling_mask_rows
             held, blocks = len(holder), len(holder.blocks)
             held_bytes = (sum(sys.getsizeof(block) for block in holder.blocks)
                           + sum(sys.getsizeof(row) for row in holder.pending)
@@ -327,7 +327,7 @@ def test_rows_of_an_http_compact_request_are_kept_as_delta_varints(
         add(processor, "cumulative", CUMULATIVE, max_tokens=1000)
     add(processor, "outside", FINAL_ONLY, max_tokens=1000)
     engine.held.update(held=[], outside=[])
-    holders = {rid: state.__dict__["sampling_mask_rows"]
+    holders = {rid: state.sampling_mask_rows
                for rid, state in processor.request_states.items()}
     assert {rid for rid, h in holders.items() if h.varint} == {"held", "step"}
     tokens = (text_tokens * 100)[:2 * COMPACT_ROWS + 5]
@@ -370,7 +370,7 @@ def test_only_http_compact_requests_keep_their_rows_as_delta_varints(
         add(processor, "json", FINAL_ONLY)
     add(processor, "outside", FINAL_ONLY)
     varint = {rid for rid, state in processor.request_states.items()
-              if state.__dict__["sampling_mask_rows"].varint}
+              if state.sampling_mask_rows.varint}
     assert varint == {"compact"}
 
 
@@ -765,6 +765,47 @@ def test_opted_out_request_keeps_vllms_state_and_gets_no_mask(
     assert by_id["in"].sampling_mask.token_ids == engine.sent_rows["in"]
 
 
+def _attributes_in_a_dict_of_their_own(obj: object, name: str) -> bool:
+    """Whether ``obj``'s attributes (``name`` among them) were moved into a dict of its own. On
+    CPython 3.11-3.12 that happens when ``obj.__dict__`` is read or ``obj.__class__`` assigned,
+    and every attribute read is slower afterwards; told from outside without reading
+    ``obj.__dict__`` (which would move them): the garbage collector's view of the object."""
+    import gc
+
+    return any(isinstance(ref, dict) and name in ref for ref in gc.get_referents(obj))
+
+
+def test_mask_request_states_keep_cpythons_fast_attribute_layout(
+    tokenizer: TokenizerLike, text_tokens: list[int]
+) -> None:
+    """vLLM reads ~25 attributes of a request state per output and step, and the output
+    processor's for every step: the plugin neither moves a state into another class nor
+    touches ``__dict__``, so neither object's attributes leave CPython's inline layout. A mask
+    request's state is made as the subclass with the mask-attaching method; an opted-out one
+    stays vLLM's class."""
+    processor = make_processor(tokenizer)
+    engine = FakeEngineCore(held={"held": []})
+    add(processor, "held", FINAL_ONLY)
+    add(processor, "every_step", DELTA)
+    add(processor, "out", DELTA, extra_args={"return_sampling_mask": False})
+    states = dict(processor.request_states)
+    assert type(states["out"]) is RequestState
+    for request_id in ("held", "every_step"):
+        assert type(states[request_id]).__mro__[1] is RequestState
+    tokens = text_tokens[:3]
+    outputs: list[RequestOutput] = []
+    for i, token in enumerate(tokens):
+        finish = FinishReason.LENGTH if i == len(tokens) - 1 else None
+        step = [engine.output(rid, [token], finish) for rid in ("held", "every_step")]
+        step.append(engine_core_output("out", [token], finish_reason=finish))
+        outputs += process(processor, *step)
+    final = [o.outputs[0] for o in outputs if o.request_id == "held"]
+    assert len(final) == 1 and final[0].sampling_mask.token_ids == engine.sent_rows["held"]
+    for request_id, state in states.items():
+        assert not _attributes_in_a_dict_of_their_own(state, "request_id"), request_id
+    assert not _attributes_in_a_dict_of_their_own(processor, "request_states")
+
+
 @pytest.mark.parametrize("first_wants", [True, False])
 def test_a_streaming_input_session_keeps_its_choice_of_masks(
     tokenizer: TokenizerLike, text_tokens: list[int], first_wants: bool
@@ -817,7 +858,7 @@ def test_cumulative_request_holds_its_rows_as_bytes(
         if i == 10:
             midway = outputs[-1].outputs[0]
             assert_aligned(midway)  # decoded now, while the request keeps going
-    holder = processor.request_states["a"].__dict__["sampling_mask_rows"]
+    holder = processor.request_states["a"].sampling_mask_rows
     held_bytes = sys.getsizeof(holder.blob) + sys.getsizeof(holder.lengths)
     assert held_bytes <= 1.25 * 4 * row_ids * len(tokens), held_bytes
     latest = outputs[-1].outputs[0]

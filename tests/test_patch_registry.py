@@ -118,7 +118,8 @@ def test_a_scoped_patch_is_bound_only_inside_its_block(monkeypatch: pytest.Monke
             pass
 
 
-def test_an_instance_patch_changes_one_object_and_frees_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_instance_class_changes_only_its_objects_and_frees_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import gc
     import sys
     import types
@@ -139,16 +140,15 @@ def test_an_instance_patch_changes_one_object_and_frees_it(monkeypatch: pytest.M
                   why="test", process="frontend", scoped=True)
     apply_patches([patch])
     try:
-        plain, masked = State(), State()
-        patching.patch_instance(patch.target, masked)
-        patching.patch_instance(patch.target, masked)  # idempotent: no subclass of the subclass
+        masked_class = patching.instance_class(patch.target, State)
+        assert patching.instance_class(patch.target, State) is masked_class  # one per class
+        assert patching.instance_class(patch.target, masked_class) is masked_class  # no sub-sub
+        plain, masked = State(), masked_class()
         assert (plain.describe(), masked.describe()) == ("vllm", "masked vllm")
-        assert type(plain) is State and type(masked).__mro__[1] is State
+        assert type(plain) is State and masked_class.__mro__[1] is State
         assert isinstance(masked, State) and State.describe(masked) == "vllm"
-        other = State()
-        patching.patch_instance(patch.target, other)
-        assert type(other) is type(masked)  # one subclass per class
-        gc.disable()  # freed by reference counting alone: the patch made no cycle
+        assert masked_class.__name__ == State.__name__
+        gc.disable()  # freed by reference counting alone: the subclass made no cycle
         try:
             ref = weakref.ref(masked)
             del masked

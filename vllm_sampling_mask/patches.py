@@ -5,8 +5,8 @@ Written for vLLM 0.26.x (``patching.SUPPORTED_VLLM_SERIES``); all of it goes onc
 ``frontend`` (API server / ``LLM`` process), ``engine-core`` (scheduler process), ``worker``
 (model runner processes). Every process installs the whole list: each wrapper does nothing but
 read its engine's switch unless the switch is on (the routers' ``JSONResponse`` looks for masks in
-the body instead: only a mask server's responses carry them), the two called once per output
-(``scoped=True``) are not even bound unless it is, and the client's ``EngineCoreOutputs`` type
+the body instead: only a mask server's responses carry them), the ones called once per output
+and the bindings that make their objects (``scoped=True``) are not even bound unless it is, and the client's ``EngineCoreOutputs`` type
 decodes one more optional (trailing, absent = None) field on every engine. Tests check that
 every entry resolves and reverts.
 """
@@ -259,6 +259,15 @@ PATCHES: list[Patch] = [
         make=f"{_P}.engine.output_processor:wrap_new_completion_output",
         why="Attach SamplingMask aligned with token_ids (all rows, or the delta's rows). Scoped: "
         "bound on the request states of a mask engine only (called per output).",
+        process="frontend",
+        scoped=True,
+    ),
+    Patch(
+        target="vllm.v1.engine.output_processor:RequestState",
+        make=f"{_P}.engine.output_processor:mask_request_state",
+        why="A mask request's state is made as the subclass with the method above (scoped: "
+        "bound inside that request's add_request only), not moved into it afterwards: on "
+        "CPython 3.11-3.12 a class change slows every attribute read of the state.",
         process="frontend",
         scoped=True,
     ),

@@ -8,8 +8,8 @@ only the ``version_guard`` patches are installed, and a guard whose target is mi
 patches whose module is not imported yet), exactly once per process: applying again is a
 no-op, so every process may call it from any plugin entry point. A *scoped* patch is resolved and
 checked the same way but bound only where a mask engine needs it: inside a ``scoped_patch`` block,
-or on one object (``patch_instance``), so a per-output hot path costs nothing with the switch
-off. ``revert_patches`` restores the originals (tests use it).
+or on the objects made from ``instance_class``, so a per-output hot path costs nothing with the
+switch off. ``revert_patches`` restores the originals (tests use it).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Patch:
     finds it; it is installed as soon as its parent package is in ``sys.modules``, even while
     the package is still executing (the platform plugin runs during ``import vllm``).
     ``scoped`` keeps vLLM's object bound except inside ``scoped_patch(target)`` or, for a method,
-    on the objects given to ``patch_instance(target, obj)``. ``version_guard`` patches are the
+    on the objects made from ``instance_class(target, cls)``. ``version_guard`` patches are the
     only ones installed on a vLLM other than ``SUPPORTED_VLLM_SERIES``: their wrappers refuse the
     switch there by version and otherwise call vLLM's object; a missing target is skipped, not an
     error. ``process`` says where the patch matters (documentation and tests).
@@ -308,26 +308,28 @@ class _ScopedBinding:
                 setattr(self.record.owner, self.record.name, self.record.original)
 
 
-def patch_instance(target: str, obj: Any) -> None:
-    """Give ``obj`` the replacement of the scoped method patch ``target``; its class keeps vLLM's.
+def instance_class(target: str, cls: type) -> type:
+    """The subclass of ``cls`` (made once per class) that overrides only the method of the
+    scoped patch ``target`` with its replacement; ``cls`` keeps vLLM's method.
 
-    ``obj`` becomes an instance of a subclass (made once per class) that overrides only that
-    method: unlike a bound method stored on the instance, this makes no reference cycle, so the
-    object is still freed by reference counting. Raises ``KeyError`` if ``target`` is not an
-    installed scoped patch.
+    Objects are to be made from it (``cls`` itself is returned if it already overrides the
+    method), never moved into it: on CPython 3.11-3.12 assigning ``obj.__class__`` moves the
+    object's attributes into a dict of its own, through which every later attribute read of
+    vLLM's code on it is slower (``object.__dict__`` does the same). Unlike a bound method stored on the instance, the subclass
+    makes no reference cycle, so its objects are still freed by reference counting. Raises
+    ``KeyError`` if ``target`` is not an installed scoped patch.
     """
     record = _applied[target]
     if not record.patch.scoped:
         raise KeyError(f"{target} is not a scoped patch")
-    cls = type(obj)
     if cls.__dict__.get(record.name) is record.replacement:
-        return
+        return cls
     subclass = _instance_classes.get((target, cls))
     if subclass is None:
         namespace = {record.name: record.replacement, "__module__": cls.__module__,
                      "__qualname__": cls.__qualname__}
         subclass = _instance_classes[(target, cls)] = type(cls.__name__, (cls,), namespace)
-    obj.__class__ = subclass
+    return subclass
 
 
 def revert_patches(targets: list[str] | None = None) -> None:

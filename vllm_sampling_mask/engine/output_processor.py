@@ -48,6 +48,9 @@ _LOCKSTEP_ATTR = "sampling_mask_lockstep"
 PRUNE_EVERY = 64
 _CALLS_ATTR = "sampling_mask_calls"
 COMPLETION_OUTPUT_METHOD = "vllm.v1.engine.output_processor:RequestState._new_completion_output"
+# The module's binding of RequestState, which OutputProcessor.add_request makes states from:
+# inside a mask request's add_request, the subclass with our _new_completion_output.
+REQUEST_STATE_BINDING = "vllm.v1.engine.output_processor:RequestState"
 
 
 COMPACT_ROWS = 64
@@ -203,31 +206,47 @@ class RequestMaskRows:
 
 
 def mask_rows_of(state: Any, held: bool = False) -> RequestMaskRows:
-    """The row list of a mask engine's request state, made on first use together with the
-    state's own ``_new_completion_output`` that attaches the rows (other states keep vLLM's).
-    ``held``: the engine core holds the rows, sent every 64 steps and with the last output
-    (FINAL_ONLY only). A FINAL_ONLY state made inside ``rows_kept_as_delta_varint`` keeps its
-    rows in that form."""
-    holder = state.__dict__.get(_ROWS_ATTR)
+    """The row list of a mask engine's request state, made on first use (the state itself is
+    made by ``add_request`` as ``mask_request_state``'s class, whose ``_new_completion_output``
+    attaches the rows; other states keep vLLM's). ``held``: the engine core holds the rows,
+    sent every 64 steps and with the last output (FINAL_ONLY only). A FINAL_ONLY state made
+    inside ``rows_kept_as_delta_varint`` keeps its rows in that form.
+
+    Attributes are set and read as attributes, never through ``state.__dict__``: on CPython
+    3.11-3.12 that would move the state's attributes into a dict of its own, and vLLM's reads of
+    them, ~25 per output and step, would get slower."""
+    holder = getattr(state, _ROWS_ATTR, None)
     if holder is None:
         from vllm.sampling_params import RequestOutputKind
 
         kind = getattr(state, "output_kind", None)
         final_only = kind is RequestOutputKind.FINAL_ONLY
-        holder = state.__dict__[_ROWS_ATTR] = RequestMaskRows(
+        holder = RequestMaskRows(
             streaming=kind is RequestOutputKind.DELTA, final_only=final_only, held=held,
             varint=final_only and _delta_varint_rows.get())
-        patching.patch_instance(COMPLETION_OUTPUT_METHOD, state)
+        setattr(state, _ROWS_ATTR, holder)
     return holder
 
 
+def mask_request_state(original: type) -> type:
+    """``RequestState`` as ``OutputProcessor.add_request`` binds it for a request that wants
+    masks (``REQUEST_STATE_BINDING``): the subclass whose ``_new_completion_output`` attaches
+    them, so that the state is made as one (``patching.instance_class``)."""
+    return patching.instance_class(COMPLETION_OUTPUT_METHOD, original)
+
+
 def enable_masks(processor: Any, enabled: bool) -> None:
-    """Switch an ``OutputProcessor`` to a mask engine's (called once, as its engine is built)."""
-    for attr in (_MASK_REQUESTS_ATTR, _LOCKSTEP_ATTR, _CALLS_ATTR):
-        processor.__dict__.pop(attr, None)
+    """Switch an ``OutputProcessor`` to a mask engine's (called once, as its engine is built).
+    Its attributes, as a request state's (``mask_rows_of``), are never set through
+    ``processor.__dict__``."""
     if enabled:
-        processor.__dict__.update({_MASK_REQUESTS_ATTR: set(), _LOCKSTEP_ATTR: set(),
-                                   _CALLS_ATTR: 0})
+        setattr(processor, _MASK_REQUESTS_ATTR, set())
+        setattr(processor, _LOCKSTEP_ATTR, set())
+        setattr(processor, _CALLS_ATTR, 0)
+        return
+    for attr in (_MASK_REQUESTS_ATTR, _LOCKSTEP_ATTR, _CALLS_ATTR):
+        if hasattr(processor, attr):
+            delattr(processor, attr)
 
 
 def wrap_add_request(original: Any) -> Any:
@@ -243,28 +262,31 @@ def wrap_add_request(original: Any) -> Any:
     @functools.wraps(original)
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
         params = request.sampling_params
-        mask_requests = self.__dict__.get(_MASK_REQUESTS_ATTR)
+        mask_requests = getattr(self, _MASK_REQUESTS_ATTR, None)
         if mask_requests is None or params is None:
             original(self, request, *args, **kwargs)
             return
         wants = request_wants_masks(params)
         session = self.request_states.get(request.request_id)
         if session is not None and request.resumable:
-            if (session.__dict__.get(_ROWS_ATTR) is not None) != wants:
+            if (getattr(session, _ROWS_ATTR, None) is not None) != wants:
                 raise ValueError(
                     f"request {request.request_id}: an input chunk of a streaming-input session "
                     f"sets extra_args[{REQUEST_KEY!r}] to {wants}, but the session started "
                     f"with {not wants}. A session returns masks for all of its tokens or none."
                 )
-        original(self, request, *args, **kwargs)
-        if wants:
-            state = self.request_states.get(request.request_id)
-            if state is not None:
-                held = rows_held_until_finish(params, request.resumable)
-                mask_rows_of(state, held)
-                mask_requests.add(request.request_id)
-                if not held:
-                    self.__dict__[_LOCKSTEP_ATTR].add(request.request_id)
+        if not wants:
+            original(self, request, *args, **kwargs)
+            return
+        with patching.scoped_patch(REQUEST_STATE_BINDING):  # a new state: mask_request_state's
+            original(self, request, *args, **kwargs)
+        state = self.request_states.get(request.request_id)
+        if state is not None:
+            held = rows_held_until_finish(params, request.resumable)
+            mask_rows_of(state, held)
+            mask_requests.add(request.request_id)
+            if not held:
+                getattr(self, _LOCKSTEP_ATTR).add(request.request_id)
 
     return add_request
 
@@ -285,10 +307,10 @@ def wrap_process_outputs(original: Any) -> Any:
 
     @functools.wraps(original)
     def process_outputs(self: Any, engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        mask_requests = self.__dict__.get(_MASK_REQUESTS_ATTR)
+        mask_requests = getattr(self, _MASK_REQUESTS_ATTR, None)
         if not mask_requests:  # switch off, or no request with a row list in flight
             return original(self, engine_core_outputs, *args, **kwargs)
-        if self.__dict__[_LOCKSTEP_ATTR]:
+        if getattr(self, _LOCKSTEP_ATTR):
             to_abort = _take_rows_every_step(self, engine_core_outputs, mask_requests)
         else:
             to_abort = _take_held_rows(self, engine_core_outputs, mask_requests)
@@ -310,7 +332,7 @@ def _take_rows_every_step(processor: Any, outputs: list[Any], mask_requests: set
         state = states.get(output.request_id)
         if state is None:
             continue
-        holder = state.__dict__.get(_ROWS_ATTR)
+        holder = getattr(state, _ROWS_ATTR, None)
         if holder is None:
             continue
         row = getattr(output, "sampling_mask", None)
@@ -359,14 +381,14 @@ def _take_held_rows(processor: Any, outputs: list[Any], mask_requests: set[str])
         state = states.get(output.request_id)
         if state is None:
             continue
-        holder = state.__dict__.get(_ROWS_ATTR)
+        holder = getattr(state, _ROWS_ATTR, None)
         if holder is not None:
             _take_held_output(holder, state, output, row, to_abort)
-    calls = processor.__dict__[_CALLS_ATTR] + 1
+    calls = getattr(processor, _CALLS_ATTR) + 1
     if calls >= PRUNE_EVERY:
         calls = 0
         _forget_finished(processor, mask_requests)
-    processor.__dict__[_CALLS_ATTR] = calls
+    setattr(processor, _CALLS_ATTR, calls)
     return to_abort
 
 
@@ -402,13 +424,13 @@ def _fail(state: Any, output: Any, problem: str, to_abort: list[str]) -> None:
 def _forget_finished(processor: Any, mask_requests: set[str]) -> None:
     """Drop the remembered ids whose request state is gone (finished, aborted)."""
     states = processor.request_states
-    for ids in (mask_requests, processor.__dict__[_LOCKSTEP_ATTR]):
+    for ids in (mask_requests, getattr(processor, _LOCKSTEP_ATTR)):
         ids.difference_update([rid for rid in ids if rid not in states])
 
 
 def wrap_new_completion_output(original: Any) -> Any:
     """``RequestState._new_completion_output`` plus ``sampling_mask`` aligned with ``token_ids``
-    (bound per request state by ``mask_rows_of``). Runs for every streamed token of every
+    (the method of ``mask_request_state``'s class). Runs for every streamed token of every
     request, so it takes vLLM's three arguments by position."""
     from vllm.sampling_params import RequestOutputKind
 
@@ -419,7 +441,9 @@ def wrap_new_completion_output(original: Any) -> Any:
     def _new_completion_output(self: Any, token_ids: list[int], finish_reason: Any,
                                stop_reason: Any) -> Any:
         completion = original(self, token_ids, finish_reason, stop_reason)
-        holder: RequestMaskRows = self.sampling_mask_rows
+        holder: RequestMaskRows | None = getattr(self, _ROWS_ATTR, None)
+        if holder is None:  # made while another thread's add_request had the class bound
+            return completion
         pending = holder.pending
         if pending is not None and len(pending) == 1 and len(completion.token_ids) == 1:
             # A streamed token (every step of every streaming request): its row as it came.

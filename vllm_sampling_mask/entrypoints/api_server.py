@@ -1,7 +1,7 @@
 """Two gauges on the server's ``/metrics`` (extends ``vllm/entrypoints/openai/api_server.py``).
 
 Mask rows of in-flight requests live on vLLM's per-request ``RequestState`` in the API server's
-output processor (``RequestState.__dict__["sampling_mask_rows"]``), and are freed with it when
+output processor (``RequestState.sampling_mask_rows``), and are freed with it when
 the request finishes, is aborted, or its client disconnects. On a server started with
 ``--return-sampling-mask`` these gauges, computed when ``/metrics`` is scraped, show what is held:
 
@@ -47,7 +47,7 @@ def held_mask_state(output_processor: Any) -> tuple[int, int]:
         return 0, 0
     requests = rows = 0
     for state in states:
-        held = state.__dict__.get(_ROWS_ATTR)
+        held = getattr(state, _ROWS_ATTR, None)
         if held is not None:
             requests += 1
             rows += len(held)
