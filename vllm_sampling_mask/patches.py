@@ -6,8 +6,9 @@ Written for vLLM 0.26.x (``patching.SUPPORTED_VLLM_SERIES``); all of it goes onc
 (model runner processes). Every process installs the whole list: each wrapper does nothing but
 read its engine's switch unless the switch is on (the routers' ``JSONResponse`` looks for masks in
 the body instead: only a mask server's responses carry them), the ones called once per output
-and the bindings that make their objects (``scoped=True``) are not even bound unless it is, and the client's ``EngineCoreOutputs`` type
-decodes one more optional (trailing, absent = None) field on every engine. Tests check that
+and the bindings that make their objects (``scoped=True``) are not even bound unless it is, and
+the client's ``EngineCoreOutputs`` type decodes one more optional (trailing, absent = None)
+field on every engine. Tests check that
 every entry resolves and reverts.
 """
 

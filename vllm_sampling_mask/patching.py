@@ -315,9 +315,10 @@ def instance_class(target: str, cls: type) -> type:
     Objects are to be made from it (``cls`` itself is returned if it already overrides the
     method), never moved into it: on CPython 3.11-3.12 assigning ``obj.__class__`` moves the
     object's attributes into a dict of its own, through which every later attribute read of
-    vLLM's code on it is slower (``object.__dict__`` does the same). Unlike a bound method stored on the instance, the subclass
-    makes no reference cycle, so its objects are still freed by reference counting. Raises
-    ``KeyError`` if ``target`` is not an installed scoped patch.
+    vLLM's code on it is slower (reading ``obj.__dict__`` does the same). Unlike a bound method
+    stored on the instance, the subclass makes no reference cycle, so its objects are still
+    freed by reference counting. Raises ``KeyError`` if ``target`` is not an installed scoped
+    patch.
     """
     record = _applied[target]
     if not record.patch.scoped:
