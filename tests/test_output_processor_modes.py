@@ -806,6 +806,29 @@ def test_mask_request_states_keep_cpythons_fast_attribute_layout(
     assert not _attributes_in_a_dict_of_their_own(processor, "request_states")
 
 
+def test_the_frontends_cached_switch_keeps_cpythons_fast_attribute_layout() -> None:
+    """The switch the plugin caches on vLLM's ``InputProcessor``, ``LLM`` and serving objects
+    (every engine's, switch off included) is kept as an attribute: the object's attributes stay
+    inline, and the cached value is what the engine's config says."""
+    from types import SimpleNamespace
+
+    from vllm_sampling_mask.engine.input_processor import _mask_config
+    from vllm_sampling_mask.entrypoints.serving import engine_masks_enabled
+
+    class VllmObject:  # a plain class, as those three are
+        def __init__(self, vllm_config: object) -> None:
+            self.vllm_config = vllm_config
+            self.engine_client = SimpleNamespace(vllm_config=vllm_config)
+
+    for enabled in (False, True):
+        config = SimpleNamespace(additional_config={"return_sampling_mask": enabled})
+        holder = VllmObject(config)
+        assert _mask_config(holder, config).enabled is enabled
+        assert _mask_config(holder, None).enabled is enabled  # cached: the config is not read
+        assert engine_masks_enabled(holder) is enabled
+        assert not _attributes_in_a_dict_of_their_own(holder, "vllm_config")
+
+
 @pytest.mark.parametrize("first_wants", [True, False])
 def test_a_streaming_input_session_keeps_its_choice_of_masks(
     tokenizer: TokenizerLike, text_tokens: list[int], first_wants: bool
