@@ -170,11 +170,11 @@ def test_delta_varint_payloads_of_blocks_concatenate(rows: list[list[int]]) -> N
         return delta_varint_payload(np.array([len(r) for r in block], dtype=np.int64),
                                     np.array([i for r in block for i in r], dtype=np.int32))
 
-    lengths = [len(r) for r in rows]
+    lengths, ids = [len(r) for r in rows], [i for r in rows for i in r]
     for cut in sorted({0, len(rows) // 3, len(rows) // 2, len(rows)}):
         payload = payload_of(rows[:cut]) + payload_of(rows[cut:])
         assert payload == payload_of(rows)
-        assert decode_delta_varint_payload(lengths, payload).tolist() == [i for r in rows for i in r]
+        assert decode_delta_varint_payload(lengths, payload).tolist() == ids
         assert encode_delta_varint_payload(lengths, payload) == encode_compact(
             rows, encoding=DELTA_VARINT_ENCODING)
     with pytest.raises(ValueError, match="inconsistent"):

@@ -38,13 +38,13 @@ REQUEST_KEY = "return_sampling_mask"
 
 
 def rows_held_until_finish(params: Any, resumable: bool) -> bool:
-    """Whether the engine core holds a request's rows and sends them every ``HELD_STEPS``
-    (64) steps and with its last output, instead of one per step: a FINAL_ONLY request (``LLM.generate``,
-    non-streaming HTTP) is handed its mask only at the end, so the frontend, the bound of an
-    engine returning logprobs, need not touch its rows every step. Not for requests with stop
-    strings (the frontend finishes those itself, on text the engine core never sees) or
-    streaming-input sessions (their outputs go on after a finish). Asked with the same
-    ``SamplingParams`` on both sides of the transport, so they agree."""
+    """Whether the engine core holds a request's rows and sends them every ``HELD_STEPS`` (64) steps
+    and with its last output, instead of one per step: a FINAL_ONLY request (``LLM.generate``,
+    non-streaming HTTP) is handed its mask only at the end, so the frontend, the bound of an engine
+    returning logprobs, need not touch its rows every step. Not for requests with stop strings (the
+    frontend finishes those itself, on text the engine core never sees) or streaming-input sessions
+    (their outputs go on after a finish). Asked with the same ``SamplingParams`` on both sides of
+    the transport, so they agree."""
     from vllm.sampling_params import RequestOutputKind
 
     return params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop and not resumable
