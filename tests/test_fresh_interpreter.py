@@ -28,6 +28,7 @@ def test_llm_keyword_starts_model_runner_v2_with_masks(tiny_model_dir: str, subp
     [runner] = out["runner"]
     assert runner["is_model_runner_v2"], runner
     assert runner["mask_capture_attached"] and runner["sampler_uses_flashinfer"] is False
+    assert runner["sampler_attributes_in_a_dict"] is False  # CPython's fast layout kept
     for tokens, rows in zip(out["token_ids"], out["sampling_mask"]):
         assert len(rows) == len(tokens) and all(t in r for t, r in zip(tokens, rows))
 
@@ -52,3 +53,6 @@ def test_flag_off_generation_is_identical_with_and_without_the_plugin(
             assert all(abs(got[k] - want[k]) <= 1e-5 for k in got), (got, want)
     assert with_plugin["sampling_mask"] == without["sampling_mask"] == [None] * 4
     assert with_plugin["runner"][0]["mask_capture_attached"] is False
+    # The sampler's wrappers (every engine's) leave its attributes where stock keeps them.
+    assert (with_plugin["runner"][0]["sampler_attributes_in_a_dict"]
+            is without["runner"][0]["sampler_attributes_in_a_dict"] is False)

@@ -45,7 +45,7 @@ def count_flashinfer_calls(worker, action: str):  # runs in the worker (collecti
     return {
         "flashinfer_calls": getattr(sampler_module.flashinfer_sample, "calls", None),
         "use_flashinfer": sampler.use_flashinfer,
-        "capture": sampler.__dict__.get("sampling_mask_capture") is not None,
+        "capture": getattr(sampler, "sampling_mask_capture", None) is not None,
         "runner": type(worker.model_runner).__qualname__,
     }
 

@@ -30,7 +30,7 @@ def describe_runner(worker) -> dict:  # runs in the worker (collective_rpc)
     return {
         "runner": f"{type(runner).__module__}.{type(runner).__qualname__}",
         "sampler_path": runner.sampler.topk_topp_sampler.forward.__name__,
-        "capture": runner.__dict__.get("sampling_mask_capture") is not None,
+        "capture": getattr(runner, "sampling_mask_capture", None) is not None,
         "async_scheduling": runner.use_async_scheduling,
     }
 

@@ -183,11 +183,13 @@ def test_async_output_unpacks_its_pending_rows() -> None:
             return SimpleNamespace()
 
     pending_output = AsyncOutput()
-    pending_output.__dict__["_sampling_mask_host"] = PendingHostMasks(
+    pending_output._sampling_mask_host = PendingHostMasks(
         host, None, np.array([1, 0], dtype=np.int32))
-    output = wrap_async_get_output(AsyncOutput.get_output)(pending_output)
+    get_output = wrap_async_get_output(AsyncOutput.get_output)
+    output = get_output(pending_output)
     assert output.sampling_masks.rows == [np.array([3, 9], "<i4").tobytes(), b""]
-    assert "_sampling_mask_host" not in pending_output.__dict__
+    assert pending_output._sampling_mask_host is None  # taken: unpacked once
+    assert not hasattr(get_output(pending_output), "sampling_masks")
 
 
 def test_switch_off_runners_and_samplers_are_left_alone() -> None:

@@ -333,6 +333,19 @@ def instance_class(target: str, cls: type) -> type:
     return subclass
 
 
+def take_attribute(obj: object, name: str) -> Any:
+    """``obj.name`` (None if unset), left as None on ``obj``: a value handed from one patched
+    method to the next on the same object.
+
+    The attribute is reset rather than deleted, and never reached through ``obj.__dict__``:
+    vLLM's objects then keep CPython 3.11-3.12's inline attribute layout (see
+    ``instance_class``)."""
+    value = getattr(obj, name, None)
+    if value is not None:
+        setattr(obj, name, None)
+    return value
+
+
 def revert_patches(targets: list[str] | None = None) -> None:
     """Restore the originals of ``targets`` (default: every applied patch) and forget pending
     patches (tests)."""

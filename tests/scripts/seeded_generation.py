@@ -11,6 +11,8 @@ import sys
 
 
 def runner_info(worker):  # runs inside the worker process (sent by collective_rpc)
+    import gc
+
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     runner = worker.model_runner
@@ -19,8 +21,11 @@ def runner_info(worker):  # runs inside the worker process (sent by collective_r
         "class": f"{type(runner).__module__}.{type(runner).__qualname__}",
         "is_model_runner_v2": isinstance(runner, GPUModelRunner),
         "sampler_uses_flashinfer": getattr(sampler, "use_flashinfer", None),
-        "mask_capture_attached": sampler is not None
-        and sampler.__dict__.get("sampling_mask_capture") is not None,
+        "mask_capture_attached": getattr(sampler, "sampling_mask_capture", None) is not None,
+        # Whether the sampler's attributes left CPython 3.11-3.12's inline layout for a dict of
+        # their own (reading ``sampler.__dict__`` would itself move them): the collector's view.
+        "sampler_attributes_in_a_dict": any(isinstance(ref, dict) and "use_flashinfer" in ref
+                                            for ref in gc.get_referents(sampler)),
     }
 
 

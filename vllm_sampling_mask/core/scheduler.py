@@ -51,10 +51,10 @@ def wrap_init(original: Any) -> Any:
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         original(self, vllm_config, *args, **kwargs)
         enabled = SamplingMaskConfig.of(vllm_config).enabled
-        self.__dict__["sampling_mask_enabled"] = enabled
+        self.sampling_mask_enabled = enabled
         if enabled:
-            self.__dict__[_HELD_ATTR] = {}
-            self.__dict__[_STEPS_ATTR] = 0  # steps that handed out rows, for HELD_STEPS
+            setattr(self, _HELD_ATTR, {})
+            setattr(self, _STEPS_ATTR, 0)  # steps that handed out rows, for HELD_STEPS
 
     return __init__
 
@@ -66,7 +66,7 @@ def wrap_add_request(original: Any) -> Any:
     @functools.wraps(original)
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
         original(self, request, *args, **kwargs)
-        held = self.__dict__.get(_HELD_ATTR)
+        held = getattr(self, _HELD_ATTR, None)
         params = request.sampling_params
         if (held is not None and params is not None and request_wants_masks(params)
                 and rows_held_until_finish(params, request.resumable)):
@@ -89,9 +89,9 @@ def wrap_update_from_output(original: Any) -> Any:
 
     @functools.wraps(original)
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        if not self.__dict__.get("sampling_mask_enabled"):
+        if not getattr(self, "sampling_mask_enabled", False):
             return original(self, scheduler_output, model_runner_output)
-        held = self.__dict__[_HELD_ATTR]
+        held = getattr(self, _HELD_ATTR)
         if held:
             for req_id in scheduler_output.finished_req_ids:  # aborted (or finished) since
                 held.pop(req_id, None)
@@ -102,7 +102,8 @@ def wrap_update_from_output(original: Any) -> Any:
             outputs = original(self, scheduler_output, model_runner_output)
         step_problem = _step_problem(step, len(model_runner_output.req_ids))
         if step_problem is None:
-            steps = self.__dict__[_STEPS_ATTR] = self.__dict__[_STEPS_ATTR] + 1
+            steps = getattr(self, _STEPS_ATTR) + 1
+            setattr(self, _STEPS_ATTR, steps)
             hand_out = _hand_out_rows if step.groups is None else _hand_out_row_groups
             failed = hand_out(outputs, step, model_runner_output.req_id_to_index, held,
                               steps % HELD_STEPS == 0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from vllm_sampling_mask.patching import take_attribute
 from vllm_sampling_mask.worker.step_masks import NO_MASKS_WANTED, HostStepMasks, NoStepMasks
 
 _HOST_ATTR = "_sampling_mask_host"
@@ -35,11 +36,11 @@ def wrap_init(original: Any) -> Any:
     ) -> None:
         device_masks = getattr(sampler_output, "sampling_mask", None)
         if device_masks is NO_MASKS_WANTED:
-            self.__dict__[_HOST_ATTR] = NO_MASKS_WANTED  # nothing to copy
+            setattr(self, _HOST_ATTR, NO_MASKS_WANTED)  # nothing to copy
         elif device_masks is not None:
             # The current stream is ``main_stream``, as vLLM's own __init__ assumes too (it sets
             # the current stream back to ``main_stream`` after its copies).
-            self.__dict__[_HOST_ATTR] = device_masks.copy_to_host_nonblocking()
+            setattr(self, _HOST_ATTR, device_masks.copy_to_host_nonblocking())
         original(
             self, model_runner_output, sampler_output, num_sampled_tokens, main_stream,
             copy_stream, *args, **kwargs,
@@ -55,7 +56,7 @@ def wrap_get_output(original: Any) -> Any:
     @functools.wraps(original)
     def get_output(self: Any) -> Any:
         output = original(self)  # waits on the copy event
-        host: HostStepMasks | NoStepMasks | None = self.__dict__.pop(_HOST_ATTR, None)
+        host: HostStepMasks | NoStepMasks | None = take_attribute(self, _HOST_ATTR)
         if host is not None:
             output.sampling_masks = host.unpack(self.num_sampled_tokens_np)
         return output

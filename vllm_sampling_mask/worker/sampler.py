@@ -45,6 +45,7 @@ from vllm_sampling_mask.config import (
     SamplingMaskConfig,
     request_wants_masks,
 )
+from vllm_sampling_mask.patching import take_attribute
 from vllm_sampling_mask.worker.candidate_sampler import (
     MAX_CANDIDATES,
     sample_from_candidates,
@@ -98,10 +99,10 @@ def attach_capture(sampler: Any, vllm_config: Any) -> None:
     if not config.enabled or sampler is None:
         return
     states = sampler.sampling_states
-    sampler.__dict__[_CAPTURE_ATTR] = SamplingMaskCapture(
+    setattr(sampler, _CAPTURE_ATTR, SamplingMaskCapture(
         config.max_width, states.vocab_size, states.max_num_reqs, sampler.use_flashinfer,
         mapped_rows_on(states.top_k.gpu.device),
-    )
+    ))
     sampler.use_flashinfer = False
     # FlashInfer JIT-compiles its top-k kernels on first use (minutes on a new machine): do it
     # while the engine loads, not in the first request's step; if that fails, torch.topk.
@@ -140,7 +141,7 @@ def wrap_add_request(original: Any) -> Any:
     @functools.wraps(original)
     def add_request(self: Any, req_idx: int, prompt_len: int, sampling_params: Any) -> None:
         original(self, req_idx, prompt_len, sampling_params)
-        capture = self.__dict__.get(_CAPTURE_ATTR)
+        capture = getattr(self, _CAPTURE_ATTR, None)
         if capture is not None:
             capture.wants_masks[req_idx] = request_wants_masks(sampling_params)
 
@@ -163,7 +164,7 @@ def wrap_sample(original: Any) -> Any:
         return_logprobs: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         args = (logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids, expanded_local_pos)
-        capture = self.__dict__.get(_CAPTURE_ATTR)
+        capture = getattr(self, _CAPTURE_ATTR, None)
         if capture is None:
             return original(self, *args, return_logprobs=return_logprobs)
         row_wants = capture.wants_masks[idx_mapping_np]
@@ -176,10 +177,10 @@ def wrap_sample(original: Any) -> Any:
         self.use_flashinfer = capture.use_flashinfer and not any_wants
         sampled, processed_logits = original(self, *args, return_logprobs=return_logprobs)
         if not any_wants:
-            self.__dict__[_PENDING_ATTR] = NO_MASKS_WANTED
+            setattr(self, _PENDING_ATTR, NO_MASKS_WANTED)
         else:
-            self.__dict__[_PENDING_ATTR] = capture.compact(
-                processed_logits, top_k_np, None if row_wants.all() else row_wants)
+            setattr(self, _PENDING_ATTR, capture.compact(
+                processed_logits, top_k_np, None if row_wants.all() else row_wants))
         return sampled, processed_logits
 
     return sample
@@ -217,11 +218,11 @@ def sample_with_candidates(
                                                               1 + num_candidates),
     )
     if not any_wants:
-        sampler.__dict__[_PENDING_ATTR] = NO_MASKS_WANTED
+        setattr(sampler, _PENDING_ATTR, NO_MASKS_WANTED)
     else:
         support = CompactSupport(result.packed, None, logits.shape[1])
-        sampler.__dict__[_PENDING_ATTR] = DeviceStepMasks(
-            support, row_wants=None if row_wants.all() else row_wants, mapped=mapped)
+        setattr(sampler, _PENDING_ATTR, DeviceStepMasks(
+            support, row_wants=None if row_wants.all() else row_wants, mapped=mapped))
     if num_logprobs is not None:
         global _candidate_logprobs
         _candidate_logprobs = CandidateLogprobs(result.sampled, LogprobsTensors(
@@ -291,7 +292,7 @@ def wrap_call(original: Any) -> Any:
             output = original(self, *args, **kwargs)
         finally:
             _candidate_logprobs = None
-        pending = self.__dict__.pop(_PENDING_ATTR, None)
+        pending = take_attribute(self, _PENDING_ATTR)
         if pending is not None:
             output.sampling_mask = pending
         return output
@@ -326,7 +327,7 @@ def wrap_rejection_sampler_call(original: Any) -> Any:
     @functools.wraps(original)
     def __call__(self: Any, logits: torch.Tensor, input_batch: Any,
                  draft_logits: torch.Tensor | None = None) -> Any:
-        capture = self.sampler.__dict__.get(_CAPTURE_ATTR)
+        capture = getattr(self.sampler, _CAPTURE_ATTR, None)
         if capture is None:
             return original(self, logits, input_batch, draft_logits)
         idx_mapping_np = input_batch.idx_mapping_np

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from vllm_sampling_mask.config import SamplingMaskConfig, request_wants_masks
+from vllm_sampling_mask.patching import take_attribute
 from vllm_sampling_mask.worker.step_masks import (
     NO_MASKS_WANTED,
     DeviceStepMasks,
@@ -144,8 +145,8 @@ def wrap_init(original: Any) -> Any:
         config = SamplingMaskConfig.of(vllm_config)
         if config.enabled:
             capture = V1SamplingMaskCapture(config.max_width)
-            self.__dict__[_CAPTURE_ATTR] = capture
-            self.sampler.__dict__[_CAPTURE_ATTR] = capture
+            setattr(self, _CAPTURE_ATTR, capture)
+            setattr(self.sampler, _CAPTURE_ATTR, capture)
 
     return __init__
 
@@ -156,7 +157,7 @@ def wrap_update_states(original: Any) -> Any:
     @functools.wraps(original)
     def _update_states(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, scheduler_output, *args, **kwargs)
-        capture = self.__dict__.get(_CAPTURE_ATTR)
+        capture = getattr(self, _CAPTURE_ATTR, None)
         if capture is not None:
             capture.note_requests(scheduler_output)
         return result
@@ -170,7 +171,7 @@ def wrap_sampler_sample(original: Any) -> Any:
     @functools.wraps(original)
     def sample(self: Any, logits: torch.Tensor, sampling_metadata: Any, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        capture = self.__dict__.get(_CAPTURE_ATTR)
+        capture = getattr(self, _CAPTURE_ATTR, None)
         step = None if capture is None else capture.step
         if step is None:
             return original(self, logits, sampling_metadata, *args, **kwargs)
@@ -221,7 +222,7 @@ def wrap_sample_tokens(original: Any) -> Any:
 
     @functools.wraps(original)
     def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
-        capture = self.__dict__.get(_CAPTURE_ATTR)
+        capture = getattr(self, _CAPTURE_ATTR, None)
         if capture is None or self.execute_model_state is None:  # nothing is sampled
             return original(self, *args, **kwargs)
         batch = self.input_batch
@@ -281,7 +282,7 @@ def _attach(runner: Any, output: Any,
             host = step_masks.copy_to_host_nonblocking()
             copied = torch.cuda.Event(blocking=True)
             copied.record()
-    output.__dict__[_HOST_ATTR] = PendingHostMasks(host, copied, num_sampled)
+    setattr(output, _HOST_ATTR, PendingHostMasks(host, copied, num_sampled))
     return output
 
 
@@ -291,7 +292,7 @@ def wrap_async_get_output(original: Any) -> Any:
     @functools.wraps(original)
     def get_output(self: Any) -> Any:
         output = original(self)
-        pending: PendingHostMasks | None = self.__dict__.pop(_HOST_ATTR, None)
+        pending: PendingHostMasks | None = take_attribute(self, _HOST_ATTR)
         if pending is not None:
             output.sampling_masks = pending.unpack()
         return output
