@@ -13,7 +13,10 @@ sampling as ``bench_engine_throughput``), with wall timers around::
     sample_from_candidates / compact_step (kernel launches)
     MappedRows.take   DeviceStepMasks.copy_to_host_nonblocking   HostStepMasks.unpack
 
-reported in ms per step (the timers nest: ``step`` contains most of the others). ``--cprofile``
+reported in ms per step (the timers nest: ``step`` contains most of the others). With
+``--same-process-optout`` the ``on`` engine also runs every round with all its requests opted
+out, timed apart (``on_optout``, the order flipping every round): what the masks cost each
+function within one process, free of the speed each engine process draws. ``--cprofile``
 adds the top functions by own time of one more round; ``--cuda-profile`` the CUDA kernels of one
 short round (torch profiler), i.e. the GPU time per step::
 
@@ -31,6 +34,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -101,9 +105,15 @@ class StepTimers:
         for slot in self.totals.values():
             slot[0], slot[1] = 0.0, 0
 
-    def per_step(self) -> dict[str, Any]:
-        steps = max(int(self.totals.get(STEP_COUNTER, [0, 0])[1]), 1)
-        ranked = sorted(self.totals.items(), key=lambda item: -item[1][0])
+    def snapshot(self) -> dict[str, list[float]]:
+        """A copy of the totals since the last ``reset``."""
+        return {name: list(slot) for name, slot in self.totals.items()}
+
+    def per_step(self, totals: dict[str, list[float]] | None = None) -> dict[str, Any]:
+        """``totals`` (default: the live ones) per step of the model runner."""
+        totals = self.totals if totals is None else totals
+        steps = max(int(totals.get(STEP_COUNTER, [0, 0])[1]), 1)
+        ranked = sorted(totals.items(), key=lambda item: -item[1][0])
         return {"steps": steps, "ms_per_step": {name: 1e3 * total / steps
                                                 for name, (total, calls) in ranked if calls},
                 "calls": {name: calls for name, (total, calls) in ranked if calls}}
@@ -127,6 +137,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="Per engine (default 0.85 / the number of configs: the engines "
                         "run one after the other in this process, which keeps what each "
                         "earlier one took).")
+    parser.add_argument("--same-process-optout", action="store_true",
+                        help="The on engine also runs each round with every request opted out "
+                        "(reported as on_optout).")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="Also cProfile one round at the largest batch; keep the top N.")
     parser.add_argument("--cuda-profile", action="store_true",
@@ -144,17 +157,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def profile_config(name: str, args: argparse.Namespace, model: str,
-                   timers: StepTimers) -> dict[str, Any]:
+                   timers: StepTimers) -> dict[str, dict[str, Any]]:
+    """``{mode: result}``: the config's own, and ``on_optout`` beside ``on`` if asked."""
     engine = engine_bench.EngineUnderTest(name, args, model, args.gpu_memory_utilization)
     try:
         engine.warm_up()
-        result: dict[str, Any] = {"by_batch": {}}
+        results: dict[str, dict[str, Any]] = {mode: {"by_batch": {}} for mode in engine.modes}
         for b in args.batch_sizes:
-            timers.reset()
+            totals: dict[str, dict[str, list[float]]] = {mode: {} for mode in engine.modes}
             for r in range(args.reps):
-                engine.run_round(b, r)
-            result["by_batch"][str(b)] = timers.per_step() | {
-                "tokens_per_s": [x["tokens_per_s"] for x in engine.rounds[name][b]]}
+                for mode in engine.modes if r % 2 == 0 else engine.modes[::-1]:
+                    timers.reset()
+                    engine.run_mode_round(mode, b, r)
+                    for function, (seconds, calls) in timers.snapshot().items():
+                        slot = totals[mode].setdefault(function, [0.0, 0])
+                        slot[0] += seconds
+                        slot[1] += calls
+            for mode, result in results.items():
+                result["by_batch"][str(b)] = timers.per_step(totals[mode]) | {
+                    "tokens_per_s": [x["tokens_per_s"] for x in engine.rounds[mode][b]],
+                    "median_step_s": [x.get("median_step_s") for x in engine.rounds[mode][b]]}
+        result = results[name]
         largest = max(args.batch_sizes)
         prompts = engine_bench.make_prompts(largest, args.reps, args.prompt_len, engine.vocab)
         if args.cprofile:
@@ -167,7 +190,7 @@ def profile_config(name: str, args: argparse.Namespace, model: str,
             result["cprofile_tottime"] = text.getvalue().splitlines()
         if args.cuda_profile:
             result["cuda_profile"] = cuda_profile(engine, prompts, timers)
-        return result
+        return results
     finally:
         engine.shutdown()
 
@@ -200,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                          for k, v in vars(args).items()},
                               "results": {}}
     for name in args.configs.split(","):
-        report["results"][name] = profile_config(name, args, model, timers)
+        report["results"].update(profile_config(name, args, model, timers))
         engine_bench.free_gpu_memory()
     for b in map(str, args.batch_sizes):
         names = list(report["results"])
@@ -211,6 +234,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                      for n in names]
             print(f"  {function:44s}" + "  ".join("        -" if c is None else f"{c:9.3f}"
                                                    for c in cells))
+        steps = [[x for x in report["results"][n]["by_batch"][b]["median_step_s"] if x]
+                 for n in names]
+        print(f"  {'median engine step (median round)':44s}" + "  ".join(
+            f"{1e3 * statistics.median(x):9.3f}" if x else "        -" for x in steps))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

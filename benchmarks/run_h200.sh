@@ -68,6 +68,9 @@
 #                                                                                  (<= 9.5 min)
 #   profile [B]  host time per step by function at B (default 256; e.g. 1,64): off, optout,
 #             on (in-process engines)
+#   profile_optout [B]  with logprobs=1 at B (default 256): off, and the on engine's masked
+#             and opted-out rounds in turns within one process (on / on_optout), host time per
+#             step by function and each mode's median engine step                    (~4 min)
 #   frontend  the frontend's CPU per step with vLLM's real OutputProcessor, logprobs=1, 256
 #             requests, stock / on in lock step (bench_output_processor.py; no GPU used: the
 #             host's CPU, which bounds an engine with logprobs)                    (~3 min)
@@ -288,6 +291,13 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
     bench profile_engine_step "profile_b${batches//,/_}" 540 --no-enforce-eager \
       --configs off,optout,on --batch-sizes "$batches" --reps 4 --cprofile 40
     ;;
+  profile_optout)
+    # logprobs=1 at B (default 256): off, and the on engine's masked and opted-out rounds
+    # taking turns in one process, host time per step by function and the median engine step
+    batches=${2:-256}
+    bench profile_engine_step "profile_optout_b${batches//,/_}" 420 --no-enforce-eager \
+      --configs off,on --same-process-optout --logprobs 1 --batch-sizes "$batches" --reps 6
+    ;;
   frontend)
     bench bench_output_processor output_processor 300 --rounds 12
     ;;
@@ -300,7 +310,7 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
       --out "$out/sampler_paths_top_k_1024.json"
     ;;
   *)
-    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|control|rounds [B]|logprobs [B]|http|http_stop|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile [B]|frontend|paths" >&2
+    echo "usage: [SMALL=1] [OUT=dir] bash benchmarks/run_h200.sh jit|verify|engine|pairs|generations|control|rounds [B]|logprobs [B]|http|http_stop|v1|spec|spec_throughput|families|hybrid|moe|vl|layouts|layouts_throughput|profile [B]|profile_optout [B]|frontend|paths" >&2
     exit 2
     ;;
 esac

@@ -192,6 +192,23 @@ def test_profile_engine_step_times_functions_that_exist() -> None:
             assert callable(getattr(owner, attr)), (module_name, class_name, attr)
 
 
+def test_profile_engine_step_reports_each_modes_totals_per_model_runner_step() -> None:
+    # --same-process-optout: each mode's rounds are timed apart and summed, then per step.
+    sys.path.insert(0, str(BENCHMARKS))
+    from profile_engine_step import STEP_COUNTER, StepTimers
+
+    timers = StepTimers()
+    timers.totals.update({STEP_COUNTER: [0.5, 100], "Scheduler.schedule": [0.2, 100],
+                          "HostStepMasks.unpack": [0.0, 0]})
+    taken = timers.snapshot()
+    timers.reset()
+    assert timers.per_step()["ms_per_step"] == {}  # the live totals were reset...
+    report = timers.per_step(taken)  # ...the snapshot was not
+    assert report["steps"] == 100 and report["calls"] == {STEP_COUNTER: 100,
+                                                         "Scheduler.schedule": 100}
+    assert report["ms_per_step"] == {STEP_COUNTER: 5.0, "Scheduler.schedule": 2.0}
+
+
 def test_http_profile_summarizes_the_busiest_thread_and_the_plugins_frames() -> None:
     # py-spy's raw format: one line per distinct stack, outermost frame first, then its count.
     sys.path.insert(0, str(BENCHMARKS))
