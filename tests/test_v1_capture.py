@@ -198,7 +198,19 @@ def test_switch_off_runners_and_samplers_are_left_alone() -> None:
     from vllm.v1.outputs import ModelRunnerOutput
 
     sampler = v1_sampler(None)
-    output = sampler(torch.randn(2, VOCAB), sampling_metadata([4, 4], [1.0, 1.0]))
+    lookups: list[str] = []
+    module_getattr = torch.nn.Module.__getattr__
+
+    def counted_getattr(module: torch.nn.Module, name: str):
+        lookups.append(name)
+        return module_getattr(module, name)
+
+    # The V1 Sampler is an nn.Module: an attribute it lacks would be looked up through
+    # nn.Module.__getattr__ (slow) on every step of every switch-off engine.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.Module, "__getattr__", counted_getattr)
+        output = sampler(torch.randn(2, VOCAB), sampling_metadata([4, 4], [1.0, 1.0]))
+    assert "sampling_mask_capture" not in lookups, lookups
     assert output.sampled_token_ids.shape == (2, 1) and "sampling_mask_capture" not in sampler.__dict__
     stock = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[1]])
     runner = SimpleNamespace(execute_model_state=object())  # no input batch: must not be read
