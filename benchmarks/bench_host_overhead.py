@@ -41,7 +41,9 @@ finish spread over the ``HELD_STEPS`` steps they cover (a request of ``HELD_STEP
 The wrappers are the plugin's own (``wrap_*``) around no-op originals, so vLLM's own work is
 not counted. Every row holds ``top_k`` ids (all rows full: the upper bound of the common path;
 top-p shortens rows). Times are medians over ``--reps`` of the thread's CPU time (wall time
-beside it), with the garbage collector enabled.
+beside it), with the garbage collector enabled; the hops whose differences are reported (the
+launches, encodes, decodes, and the held scheduler pass with and without its flush) take turns
+rep by rep, so a slow phase of the machine moves them alike instead of one of them.
 
 ``--pin-fastest`` first times a fixed Python loop on every allowed CPU and runs on the fastest
 (``probe_machine_noise.fastest_cpus``): on the lent H200 machine vCPUs differ by up to ~1.7x,
@@ -96,27 +98,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return fill_size_defaults(parser.parse_args(argv), SMALL_SIZE, FULL_SIZE)
 
 
-def measure(run: Callable[[Any], Any], setup: Callable[[], Any], warmup: int,
-            reps: int) -> dict[str, float]:
-    """Median thread CPU time and wall time of ``run(setup())`` in ms (``setup`` not timed).
+Hop = tuple[Callable[[Any], Any], Callable[[], Any]]  # (run, setup)
+
+
+def measure(hops: dict[str, Hop], warmup: int, reps: int) -> dict[str, dict[str, float]]:
+    """Median thread CPU time and wall time of each hop's ``run(setup())`` in ms (``setup`` not
+    timed), the hops taking turns rep by rep: a slow phase of the machine lands on all of them,
+    so the differences between them (a mask hop less its stock counterpart) keep their size.
 
     CPU time (``time.thread_time_ns``) is the headline: it is what the step costs the host and
     it is not inflated when other processes preempt this one; wall time is kept beside it.
     """
     for _ in range(warmup):
-        run(setup())
+        for run, setup in hops.values():
+            run(setup())
     gc.collect()
-    cpu, wall = [], []
+    cpu: dict[str, list[float]] = {name: [] for name in hops}
+    wall: dict[str, list[float]] = {name: [] for name in hops}
     for _ in range(reps):
-        state = setup()
-        wall0, cpu0 = time.perf_counter_ns(), time.thread_time_ns()
-        run(state)
-        cpu1, wall1 = time.thread_time_ns(), time.perf_counter_ns()
-        cpu.append((cpu1 - cpu0) / 1e6)
-        wall.append((wall1 - wall0) / 1e6)
-    cpu.sort()
-    return {"cpu_ms": statistics.median(cpu), "cpu_p90_ms": cpu[int(0.9 * (len(cpu) - 1))],
-            "wall_ms": statistics.median(wall), "reps": reps}
+        for name, (run, setup) in hops.items():
+            state = setup()
+            wall0, cpu0 = time.perf_counter_ns(), time.thread_time_ns()
+            run(state)
+            cpu1, wall1 = time.thread_time_ns(), time.perf_counter_ns()
+            cpu[name].append((cpu1 - cpu0) / 1e6)
+            wall[name].append((wall1 - wall0) / 1e6)
+    results = {}
+    for name, times in cpu.items():
+        times.sort()
+        results[name] = {"cpu_ms": statistics.median(times),
+                         "cpu_p90_ms": times[int(0.9 * (len(times) - 1))],
+                         "wall_ms": statistics.median(wall[name]), "reps": reps}
+    return results
 
 
 def make_step(num_requests: int, vocab_size: int, top_k: int, wide_row: int | None):
@@ -203,15 +216,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     index = {rid: i for i, rid in enumerate(request_ids)}
     results: dict[str, dict[str, float]] = {}
 
-    def timed(name: str, run: Callable[[Any], Any],
-              setup: Callable[[], Any] = lambda: None) -> None:
-        results[name] = measure(run, setup, args.warmup, args.reps)
+    def no_setup() -> None:
+        return None
+
+    def timed(name: str, run: Callable[[Any], Any], setup: Callable[[], Any] = no_setup) -> None:
+        results.update(measure({name: (run, setup)}, args.warmup, args.reps))
+
+    def timed_together(hops: dict[str, Hop]) -> None:
+        """Hops whose differences are reported: timed in turns (``measure``)."""
+        results.update(measure(hops, args.warmup, args.reps))
 
     # (a) worker
     launch = cuda_launch_timers(R, V, K)
     if launch is not None:
-        timed("launch_candidates", *launch["candidates"])
-        timed("launch_stock_flashinfer", *launch["stock_flashinfer"])
+        timed_together({"launch_candidates": launch["candidates"],
+                        "launch_stock_flashinfer": launch["stock_flashinfer"]})
         timed("launch_copy", *launch["copy"])
         timed("launch_copy_device", *launch["copy_device"])
     timed("unpack", lambda _: host.unpack(num_sampled))
@@ -235,11 +254,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return Stub(sampling_mask_enabled=True, pending=scheduler_outputs(),
                     sampling_mask_held=held_rows, sampling_mask_steps=HELD_STEPS - 1 if flush else 0)
 
-    timed("scheduler", lambda sched: update(sched, sched_output, runner_output), scheduler_setup)
-    timed("scheduler_held", lambda sched: update(sched, sched_output, runner_output),
-          lambda: scheduler_setup(held=True))
-    timed("scheduler_held_flush", lambda sched: update(sched, sched_output, runner_output),
-          lambda: scheduler_setup(held=True, flush=True))
+    def scheduler_step(sched: Any) -> Any:
+        return update(sched, sched_output, runner_output)
+
+    timed("scheduler", scheduler_step, scheduler_setup)
+    timed_together({  # the flush's share is their difference
+        "scheduler_held": (scheduler_step, lambda: scheduler_setup(held=True)),
+        "scheduler_held_flush": (scheduler_step, lambda: scheduler_setup(held=True, flush=True)),
+    })
     held_step = update(scheduler_setup(held=True), sched_output, runner_output)[0]
     flush_step = update(scheduler_setup(held=True, flush=True), sched_output, runner_output)[0]
     assert all(o.sampling_mask is None for o in held_step.outputs)
@@ -254,15 +276,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
     decoder_stock = MsgpackDecoder(EngineCoreOutputs)
     frames_masks = encoder.encode(with_masks)
     frames_stock = encoder.encode(without_masks)
-    timed("encode_with_masks", lambda _: encoder.encode(with_masks))
-    timed("encode_stock", lambda _: encoder.encode(without_masks))
-    timed("decode_with_masks", lambda _: decoder_masks.decode(frames_masks))
-    timed("decode_stock", lambda _: decoder_stock.decode(frames_stock))
     frames_held, frames_flush = encoder.encode(held_step), encoder.encode(flush_step)
-    timed("encode_held", lambda _: encoder.encode(held_step))
-    timed("encode_held_flush", lambda _: encoder.encode(flush_step))
-    timed("decode_held", lambda _: decoder_masks.decode(frames_held))
-    timed("decode_held_flush", lambda _: decoder_masks.decode(frames_flush))
+    timed_together({
+        "encode_with_masks": (lambda _: encoder.encode(with_masks), no_setup),
+        "encode_stock": (lambda _: encoder.encode(without_masks), no_setup),
+        "encode_held": (lambda _: encoder.encode(held_step), no_setup),
+        "encode_held_flush": (lambda _: encoder.encode(flush_step), no_setup),
+    })
+    timed_together({
+        "decode_with_masks": (lambda _: decoder_masks.decode(frames_masks), no_setup),
+        "decode_stock": (lambda _: decoder_stock.decode(frames_stock), no_setup),
+        "decode_held": (lambda _: decoder_masks.decode(frames_held), no_setup),
+        "decode_held_flush": (lambda _: decoder_masks.decode(frames_flush), no_setup),
+    })
     decoded = decoder_masks.decode(frames_masks)
     assert decoded.outputs[0].sampling_mask == with_masks.outputs[0].sampling_mask
     wire_bytes = {"with_masks": sum(len(f) for f in frames_masks),
@@ -408,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 def cuda_launch_timers(num_requests: int, vocab_size: int, top_k: int
-                       ) -> dict[str, tuple[Callable[[Any], Any], Callable[[], Any]]] | None:
+                       ) -> dict[str, Hop] | None:
     """``{name: (run, setup)}`` timing the host side of a mask step's sampling call
     (``candidates``: ``sample_from_candidates``, the FlashInfer top-k and the Triton launch)
     and of stock vLLM's (``stock_flashinfer``: ``flashinfer_sample``) on the same ``[R, V]``
