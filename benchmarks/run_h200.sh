@@ -70,7 +70,8 @@
 #             on (in-process engines)
 #   profile_optout [B]  with logprobs=1 at B (default 256): off, and the on engine's masked
 #             and opted-out rounds in turns within one process (on / on_optout), host time per
-#             step by function and each mode's median engine step                    (~4 min)
+#             step by function and each mode's median engine step (~4 min; ~7 on a machine
+#             whose compile cache is cold)
 #   frontend  the frontend's CPU per step with vLLM's real OutputProcessor, logprobs=1, 256
 #             requests, stock / on in lock step (bench_output_processor.py; no GPU used: the
 #             host's CPU, which bounds an engine with logprobs)                    (~3 min)
@@ -295,7 +296,7 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
     # logprobs=1 at B (default 256): off, and the on engine's masked and opted-out rounds
     # taking turns in one process, host time per step by function and the median engine step
     batches=${2:-256}
-    bench profile_engine_step "profile_optout_b${batches//,/_}" 420 --no-enforce-eager \
+    bench profile_engine_step "profile_optout_b${batches//,/_}" 540 --no-enforce-eager \
       --configs off,on --same-process-optout --logprobs 1 --batch-sizes "$batches" --reps 6
     ;;
   frontend)
