@@ -26,6 +26,7 @@ from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm_builders import engine_core_output, engine_core_request, mask_row, sampling_params
 from vllm_sampling_mask.engine.output_processor import enable_masks
 from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask
+from vllm_sampling_mask_testing.object_layout import attributes_in_a_dict_of_their_own
 
 DELTA = RequestOutputKind.DELTA
 CUMULATIVE = RequestOutputKind.CUMULATIVE
@@ -765,16 +766,6 @@ def test_opted_out_request_keeps_vllms_state_and_gets_no_mask(
     assert by_id["in"].sampling_mask.token_ids == engine.sent_rows["in"]
 
 
-def _attributes_in_a_dict_of_their_own(obj: object, name: str) -> bool:
-    """Whether ``obj``'s attributes (``name`` among them) were moved into a dict of its own. On
-    CPython 3.11-3.12 that happens when ``obj.__dict__`` is read or ``obj.__class__`` assigned,
-    and every attribute read is slower afterwards; told from outside without reading
-    ``obj.__dict__`` (which would move them): the garbage collector's view of the object."""
-    import gc
-
-    return any(isinstance(ref, dict) and name in ref for ref in gc.get_referents(obj))
-
-
 def test_mask_request_states_keep_cpythons_fast_attribute_layout(
     tokenizer: TokenizerLike, text_tokens: list[int]
 ) -> None:
@@ -802,8 +793,8 @@ def test_mask_request_states_keep_cpythons_fast_attribute_layout(
     final = [o.outputs[0] for o in outputs if o.request_id == "held"]
     assert len(final) == 1 and final[0].sampling_mask.token_ids == engine.sent_rows["held"]
     for request_id, state in states.items():
-        assert not _attributes_in_a_dict_of_their_own(state, "request_id"), request_id
-    assert not _attributes_in_a_dict_of_their_own(processor, "request_states")
+        assert not attributes_in_a_dict_of_their_own(state, "request_id"), request_id
+    assert not attributes_in_a_dict_of_their_own(processor, "request_states")
 
 
 def test_the_frontends_cached_switch_keeps_cpythons_fast_attribute_layout() -> None:
@@ -826,7 +817,7 @@ def test_the_frontends_cached_switch_keeps_cpythons_fast_attribute_layout() -> N
         assert _mask_config(holder, config).enabled is enabled
         assert _mask_config(holder, None).enabled is enabled  # cached: the config is not read
         assert engine_masks_enabled(holder) is enabled
-        assert not _attributes_in_a_dict_of_their_own(holder, "vllm_config")
+        assert not attributes_in_a_dict_of_their_own(holder, "vllm_config")
 
 
 @pytest.mark.parametrize("first_wants", [True, False])

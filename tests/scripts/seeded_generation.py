@@ -11,9 +11,8 @@ import sys
 
 
 def runner_info(worker):  # runs inside the worker process (sent by collective_rpc)
-    import gc
-
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm_sampling_mask_testing.object_layout import attributes_in_a_dict_of_their_own
 
     runner = worker.model_runner
     sampler = getattr(runner, "sampler", None)
@@ -22,10 +21,8 @@ def runner_info(worker):  # runs inside the worker process (sent by collective_r
         "is_model_runner_v2": isinstance(runner, GPUModelRunner),
         "sampler_uses_flashinfer": getattr(sampler, "use_flashinfer", None),
         "mask_capture_attached": getattr(sampler, "sampling_mask_capture", None) is not None,
-        # Whether the sampler's attributes left CPython 3.11-3.12's inline layout for a dict of
-        # their own (reading ``sampler.__dict__`` would itself move them): the collector's view.
-        "sampler_attributes_in_a_dict": any(isinstance(ref, dict) and "use_flashinfer" in ref
-                                            for ref in gc.get_referents(sampler)),
+        "sampler_attributes_in_a_dict": attributes_in_a_dict_of_their_own(sampler,
+                                                                          "use_flashinfer"),
     }
 
 
