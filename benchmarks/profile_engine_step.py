@@ -13,7 +13,8 @@ sampling as ``bench_engine_throughput``), with wall timers around::
     sample_from_candidates / compact_step (kernel launches)
     MappedRows.take   DeviceStepMasks.copy_to_host_nonblocking   HostStepMasks.unpack
 
-reported in ms per step (the timers nest: ``step`` contains most of the others). With
+reported in ms per step (the timers nest: ``step`` contains most of the others), and the
+cyclic collector's time per generation (``gc.callbacks``). With
 ``--same-process-optout`` the ``on`` engine also runs every round with all its requests opted
 out, timed apart (``on_optout``, the order flipping every round): what the masks cost each
 function within one process, free of the speed each engine process draws. ``--cprofile``
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gc
 import importlib
 import io
 import json
@@ -73,10 +75,12 @@ class StepTimers:
     def __init__(self) -> None:
         self.totals: dict[str, list[float]] = {}
         self._installed = False
+        self._collection_began = 0.0
 
     def install(self) -> None:
         if self._installed:
             return
+        gc.callbacks.append(self._time_collection)
         for module_name, class_name, attr in TIMED_FUNCTIONS:
             owner: Any = importlib.import_module(module_name)
             if class_name is not None:
@@ -86,6 +90,17 @@ class StepTimers:
             name = f"{class_name}.{attr}" if class_name else attr
             setattr(owner, attr, self._timed(getattr(owner, attr), name))
         self._installed = True
+
+    def _time_collection(self, phase: str, info: dict[str, int]) -> None:
+        """A ``gc.callbacks`` hook: the cyclic collector's wall time per generation, as
+        ``gc generation N`` (the collector runs inside whichever function allocated last, so its
+        time is also inside that function's)."""
+        if phase == "start":
+            self._collection_began = time.perf_counter()
+            return
+        slot = self.totals.setdefault(f"gc generation {info['generation']}", [0.0, 0])
+        slot[0] += time.perf_counter() - self._collection_began
+        slot[1] += 1
 
     def _timed(self, original: Callable[..., Any], name: str) -> Callable[..., Any]:
         slot = self.totals.setdefault(name, [0.0, 0])

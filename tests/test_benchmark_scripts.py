@@ -209,6 +209,23 @@ def test_profile_engine_step_reports_each_modes_totals_per_model_runner_step() -
     assert report["ms_per_step"] == {STEP_COUNTER: 5.0, "Scheduler.schedule": 2.0}
 
 
+def test_profile_engine_step_times_the_cyclic_collector_by_generation() -> None:
+    import gc
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from profile_engine_step import StepTimers
+
+    timers = StepTimers()
+    gc.callbacks.append(timers._time_collection)
+    try:
+        gc.collect(1)
+        gc.collect(2)
+    finally:
+        gc.callbacks.remove(timers._time_collection)
+    assert timers.totals["gc generation 1"][1] == 1 and timers.totals["gc generation 2"][1] == 1
+    assert timers.totals["gc generation 2"][0] > 0
+
+
 def test_http_profile_summarizes_the_busiest_thread_and_the_plugins_frames() -> None:
     # py-spy's raw format: one line per distinct stack, outermost frame first, then its count.
     sys.path.insert(0, str(BENCHMARKS))
