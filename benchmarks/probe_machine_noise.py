@@ -10,6 +10,10 @@ are 1-2%. This probe tells where such spread comes from, in ~35 s:
 - ``launch``:     200 tiny CUDA kernels then a sync (host-bound, like a decode step's launches);
 - ``device``:     a fixed chain of matmuls timed by CUDA events (GPU speed: clocks, a co-tenant);
 - ``steal``:      the machine's steal time (``/proc/stat``) over the whole probe;
+- ``neighbours``:  the loop on each CPU while one other CPU spins, for every other CPU in turn:
+                  the slowdowns over the loop alone (vCPUs that the VM shows as separate cores
+                  but that share a physical core slow each other: pinning two hot threads to
+                  such a pair would couple them);
 - ``wake_cpus``:  two processes allowed on the same three CPUs take turns running the loop, as
                   interleaved engines do; the CPU each ran on, read every loop, and their speed
                   ratio turn by turn: whether the kernel keeps each on a CPU of its own (then
@@ -93,6 +97,45 @@ def fastest_cpus(count: int, reps: int = 5) -> tuple[list[int], dict[str, float]
     return chosen, {str(cpu): seconds for cpu, seconds in speed.items()}
 
 
+def _spin(cpu: int, stop: Any, started: Any) -> None:
+    """``busy_neighbours``' spinner: a busy loop on ``cpu`` until ``stop`` is set."""
+    os.sched_setaffinity(0, {cpu})
+    started.set()
+    while not stop.is_set():
+        python_loop(2_000)
+
+
+def slowdown_beside_spinner(spin_cpu: int, cpus: list[int], reps: int) -> dict[int, float]:
+    """``python_loop``'s median seconds on each of ``cpus`` while a process spins on
+    ``spin_cpu``, over its median alone on that CPU just before."""
+    alone = {c: statistics.median(s) for c, s in loop_seconds_per_cpu(cpus, reps).items()}
+    spawn = multiprocessing.get_context("spawn")
+    stop, started = spawn.Event(), spawn.Event()
+    spinner = spawn.Process(target=_spin, args=(spin_cpu, stop, started))
+    spinner.start()
+    try:
+        started.wait(timeout=60)
+        beside = loop_seconds_per_cpu(cpus, reps)
+    finally:
+        stop.set()
+        spinner.join()
+    return {c: statistics.median(beside[c]) / alone[c] for c in cpus}
+
+
+def busy_neighbours(cpus: list[int], reps: int = 5) -> dict[str, Any]:
+    """For every pair of ``cpus``: ``python_loop``'s median seconds on ``c`` while a process
+    spins on ``d``, over its median alone on ``c`` (measured just before). Returns
+    ``{"slowdown": {c: {d: ratio}}, "coupled": [[c, d, ratio], ...]}`` with the pairs slowed by
+    more than 20%, the worst first."""
+    slowdown: dict[str, dict[str, float]] = {str(c): {} for c in cpus}
+    for d in cpus:
+        for c, ratio in slowdown_beside_spinner(d, [c for c in cpus if c != d], reps).items():
+            slowdown[str(c)][str(d)] = ratio
+    coupled = sorted(([int(c), int(d), ratio] for c, row in slowdown.items()
+                      for d, ratio in row.items() if ratio > 1.2), key=lambda x: -x[2])
+    return {"slowdown": slowdown, "coupled": coupled}
+
+
 def steal_ticks() -> int | None:
     try:
         fields = Path("/proc/stat").read_text().splitlines()[0].split()
@@ -162,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     per_core = {str(cpu): summary(seconds) for cpu, seconds in loop_seconds_per_cpu(
         report["one_cpu_per_core"], max(5, args.reps // 20)).items()}
     report["cpu_pinned"] = per_core
+    report["neighbours"] = busy_neighbours(report["one_cpu_per_core"])
     report["wake_cpus"] = wake_placement(report["one_cpu_per_core"][:3])
     report["wake_one_cpu"] = wake_placement(report["one_cpu_per_core"][:1])
     try:
@@ -202,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(f"{name:7s} min {s['min_ms']:8.3f}  median {s['median_ms']:8.3f}  max "
                   f"{s['max_ms']:8.3f} ms  max/min {s['max_over_min']:.2f}")
     print("per core median ms:", {c: round(s["median_ms"], 3) for c, s in per_core.items()})
+    print("CPU pairs where a spinning one slows the other's loop by > 20% (cpu, spinner, "
+          f"slowdown): {report['neighbours']['coupled'] or 'none'}")
     for wake in (report["wake_cpus"], report["wake_one_cpu"]):
         print(f"two processes taking turns on CPUs {wake['cpus']}: a ran on {wake['a']}, b on "
               f"{wake['b']} (share of turns on the previous turn's CPU: {wake['stayed_share']});"

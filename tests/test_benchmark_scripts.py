@@ -472,3 +472,14 @@ def test_wake_placement_reads_the_cpu_each_turn_ran_on() -> None:
     assert wake["a"] == wake["b"] == [cpu] * 3
     assert wake["stayed_share"] == [1.0, 1.0]
     assert 0.2 < wake["b_over_a"] < 5.0
+
+
+def test_a_spinner_on_the_same_cpu_slows_the_loop() -> None:
+    # The neighbour probe's measurement: a spinner sharing the loop's CPU takes about half of it.
+    sys.path.insert(0, str(BENCHMARKS))
+    from probe_machine_noise import busy_neighbours, slowdown_beside_spinner
+
+    cpu = min(os.sched_getaffinity(0))
+    assert slowdown_beside_spinner(cpu, [cpu], reps=5)[cpu] > 1.5
+    report = busy_neighbours([cpu], reps=1)  # one CPU: no pair
+    assert report == {"slowdown": {str(cpu): {}}, "coupled": []}
