@@ -606,10 +606,16 @@ def test_switch_off_outputs_carry_no_mask_and_are_otherwise_identical(
     assert on.requests == off.requests == {}
 
 
-def two_request_step(config: VllmConfig) -> tuple[Scheduler, SchedulerOutput, ModelRunnerOutput]:
-    """Requests ``a`` and ``b`` scheduled, and a runner output giving them tokens 11 and 12."""
+def two_request_step(config: VllmConfig, held_a: bool = False,
+                     ) -> tuple[Scheduler, SchedulerOutput, ModelRunnerOutput]:
+    """Requests ``a`` and ``b`` scheduled, and a runner output giving them tokens 11 and 12;
+    ``held_a``: ``a`` is FINAL_ONLY (its rows held) with ``max_tokens=1``, so it finishes in
+    that step, carrying its held rows."""
     scheduler = build_scheduler(config)
-    add_request(scheduler, "a", 5, max_tokens=3)
+    if held_a:
+        add_request(scheduler, "a", 5, max_tokens=1, output_kind=FINAL_ONLY)
+    else:
+        add_request(scheduler, "a", 5, max_tokens=3)
     add_request(scheduler, "b", 5, max_tokens=3)
     scheduler_output = scheduler.schedule()
     model_runner_output = ModelRunnerOutput(
@@ -618,20 +624,25 @@ def two_request_step(config: VllmConfig) -> tuple[Scheduler, SchedulerOutput, Mo
     return scheduler, scheduler_output, model_runner_output
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["streamed", "held"])
 @pytest.mark.parametrize("view", [False, True], ids=["bytes", "memoryview"])
-def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig], view: bool) -> None:
+def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig], view: bool,
+                                             held: bool) -> None:
     """A ``None`` row (the worker's mark for a request that opted out of masks) gives that
     request's output no mask; the other request of the step keeps its row, as bytes also when
-    the step's buffer is a view (rows expanded on the device)."""
-    scheduler, scheduler_output, model_runner_output = two_request_step(configs[True])
-    step = StepSamplingMasks.from_rows([np.array([3, 11], dtype="<i4").tobytes(), None])
+    the step's buffer is a view (rows expanded on the device), sent at once or held (then its
+    last output carries a list of its rows)."""
+    scheduler, scheduler_output, model_runner_output = two_request_step(configs[True], held)
+    row = np.array([3, 11], dtype="<i4").tobytes()
+    step = StepSamplingMasks.from_rows([row, None])
     if view:
         step.blob = memoryview(bytearray(step.blob))
     model_runner_output.sampling_masks = step
     outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
     by_id = {o.request_id: o for o in outputs[0].outputs}
-    assert type(by_id["a"].sampling_mask) is bytes
-    assert by_id["a"].sampling_mask == np.array([3, 11], dtype="<i4").tobytes()
+    rows = by_id["a"].sampling_mask if held else [by_id["a"].sampling_mask]
+    assert [type(r) for r in rows] == [bytes] and rows == [row]
+    assert by_id["a"].finish_reason is not None if held else by_id["a"].finish_reason is None
     assert by_id["b"].sampling_mask is None
 
 

@@ -141,17 +141,20 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict
             if len(output.new_token_ids) == 1:
                 request_id = output.request_id
                 r = index[request_id]
-                start = starts[r]
-                if start < 0:
-                    continue  # opted out: no row (the field's default)
-                row = bytes(blob[start : ends[r]]) if sliced_from_view else blob[start : ends[r]]
                 rows = held_rows_of(request_id)
-                if rows is None:
-                    output.sampling_mask = row
-                else:
-                    rows.append(row)
+                if rows is not None:
+                    # Held requests want masks (the sampler's and this table's test is the same
+                    # ``request_wants_masks``), so their rows are never opted-out ones: no
+                    # ``starts[r] < 0`` check on the path most outputs take.
+                    rows.append(bytes(blob[starts[r] : ends[r]]) if sliced_from_view
+                                else blob[starts[r] : ends[r]])
                     if flush or output.finish_reason is not None:
                         _send_held_rows(output, held)
+                    continue
+                start = starts[r]
+                if start >= 0:  # else opted out: no row (the field's default)
+                    output.sampling_mask = (bytes(blob[start : ends[r]]) if sliced_from_view
+                                            else blob[start : ends[r]])
             elif output.new_token_ids:
                 several.append(output)
             elif held and output.finish_reason is not None:
