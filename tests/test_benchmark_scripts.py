@@ -475,11 +475,12 @@ def test_wake_placement_reads_the_cpu_each_turn_ran_on() -> None:
 
 
 def test_a_spinner_on_the_same_cpu_slows_the_loop() -> None:
-    # The neighbour probe's measurement: a spinner sharing the loop's CPU takes about half of it.
+    # The neighbour probe's measurement: a spinner sharing the loop's CPU takes about half of it
+    # (a third where another test process also runs there: 1.5x; the bound leaves room for it).
     sys.path.insert(0, str(BENCHMARKS))
     from probe_machine_noise import busy_neighbours, slowdown_beside_spinner
 
     cpu = min(os.sched_getaffinity(0))
-    assert slowdown_beside_spinner(cpu, [cpu], reps=5)[cpu] > 1.5
+    assert slowdown_beside_spinner(cpu, [cpu], reps=5)[cpu] > 1.3
     report = busy_neighbours([cpu], reps=1)  # one CPU: no pair
     assert report == {"slowdown": {str(cpu): {}}, "coupled": []}
