@@ -97,6 +97,9 @@ def fastest_cpus(count: int, reps: int = 5) -> tuple[list[int], dict[str, float]
     return chosen, {str(cpu): seconds for cpu, seconds in speed.items()}
 
 
+SPINNER_NAME = "probe-machine-noise-spinner"
+
+
 def _spin(cpu: int, stop: Any, started: Any) -> None:
     """``busy_neighbours``' spinner: a busy loop on ``cpu`` until ``stop`` is set."""
     os.sched_setaffinity(0, {cpu})
@@ -111,7 +114,7 @@ def slowdown_beside_spinner(spin_cpu: int, cpus: list[int], reps: int) -> dict[i
     alone = {c: statistics.median(s) for c, s in loop_seconds_per_cpu(cpus, reps).items()}
     spawn = multiprocessing.get_context("spawn")
     stop, started = spawn.Event(), spawn.Event()
-    spinner = spawn.Process(target=_spin, args=(spin_cpu, stop, started))
+    spinner = spawn.Process(target=_spin, args=(spin_cpu, stop, started), name=SPINNER_NAME)
     spinner.start()
     try:
         started.wait(timeout=60)

@@ -474,13 +474,28 @@ def test_wake_placement_reads_the_cpu_each_turn_ran_on() -> None:
     assert 0.2 < wake["b_over_a"] < 5.0
 
 
-def test_a_spinner_on_the_same_cpu_slows_the_loop() -> None:
-    # The neighbour probe's measurement: a spinner sharing the loop's CPU takes about half of it
-    # (a third where another test process also runs there: 1.5x; the bound leaves room for it).
-    sys.path.insert(0, str(BENCHMARKS))
-    from probe_machine_noise import busy_neighbours, slowdown_beside_spinner
+def test_the_neighbour_probe_times_each_cpu_alone_then_beside_a_running_spinner(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The loop's timings are faked (real ones depend on what else the machine runs): 1 s per loop
+    # while no spinner process is alive, 2 s while one is. The probe must take the first with none
+    # running, the second with its spinner running, and stop the spinner afterwards.
+    import multiprocessing
 
-    cpu = min(os.sched_getaffinity(0))
-    assert slowdown_beside_spinner(cpu, [cpu], reps=5)[cpu] > 1.3
-    report = busy_neighbours([cpu], reps=1)  # one CPU: no pair
-    assert report == {"slowdown": {str(cpu): {}}, "coupled": []}
+    sys.path.insert(0, str(BENCHMARKS))
+    import probe_machine_noise
+
+    def fake_loop_seconds(cpus: list[int], reps: int) -> dict[int, list[float]]:
+        spinning = any(child.name == probe_machine_noise.SPINNER_NAME and child.is_alive()
+                       for child in multiprocessing.active_children())
+        return {cpu: [2.0 if spinning else 1.0] * reps for cpu in cpus}
+
+    monkeypatch.setattr(probe_machine_noise, "loop_seconds_per_cpu", fake_loop_seconds)
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    assert probe_machine_noise.slowdown_beside_spinner(cpus[0], cpus, reps=3) == {
+        cpu: 2.0 for cpu in cpus}
+    assert not [child for child in multiprocessing.active_children()
+                if child.name == probe_machine_noise.SPINNER_NAME]
+    report = probe_machine_noise.busy_neighbours(cpus, reps=1)
+    pairs = [[c, d] for c in cpus for d in cpus if c != d]
+    assert report["slowdown"] == {str(c): {str(d): 2.0 for d in cpus if d != c} for c in cpus}
+    assert [pair[:2] for pair in report["coupled"]] == pairs
