@@ -1,7 +1,7 @@
 """How steady is this machine? Repeated fixed work on the host CPU and on the GPU, no vLLM.
 
 The engine benchmarks' rounds spread by +-20-30% on the lent H200 while the effects they measure
-are 1-2%. This probe tells where such spread comes from, in ~35 s:
+are 1-2%. This probe tells where such spread comes from, in ~1 min (16 vCPUs):
 
 - ``cpu``:        a fixed pure-Python loop (~5 ms), timed ``--reps`` times: host speed (vCPU
                   steal, frequency, a busy hyperthread sibling);

@@ -205,7 +205,7 @@ case "${1:-}" in
     # generation to the next by the per-process offset plus round noise, on/on_optout (one
     # process) by round noise alone; on/stock is criterion 1's sample. The call's time limit
     # cuts it after 3-4 generations (each is written as it finishes).
-    step machine_noise 90 python3 benchmarks/probe_machine_noise.py --out "$out/machine_noise.json"
+    step machine_noise 120 python3 benchmarks/probe_machine_noise.py --out "$out/machine_noise.json"
     bench bench_engine_throughput engine_control 545 --configs stock,off,on --same-process-optout \
       --interleave --pin 5 "${compiled[@]}" --generations 5 --reps 2 --batch-sizes 256
     ;;

@@ -145,7 +145,7 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict
                 if rows is not None:
                     # Held requests want masks (the sampler's and this table's test is the same
                     # ``request_wants_masks``), so their rows are never opted-out ones: no
-                    # ``starts[r] < 0`` check on the path most outputs take.
+                    # ``starts[r] < 0`` check for them.
                     rows.append(bytes(blob[starts[r] : ends[r]]) if sliced_from_view
                                 else blob[starts[r] : ends[r]])
                     if flush or output.finish_reason is not None:
