@@ -17,7 +17,10 @@ reported in ms per step (the timers nest: ``step`` contains most of the others),
 cyclic collector's time per generation (``gc.callbacks``). With
 ``--same-process-optout`` the ``on`` engine also runs every round with all its requests opted
 out, timed apart (``on_optout``, the order flipping every round): what the masks cost each
-function within one process, free of the speed each engine process draws. ``--cprofile``
+function within one process, free of the speed each engine process draws. Engines built one
+after the other in this process are not comparable with each other (a later one ran every
+function slower, its full collections longer: docs/benchmarks.md, session 35), so ``--configs
+on --same-process-optout`` alone is the fair comparison. ``--cprofile``
 adds the top functions by own time of one more round; ``--cuda-profile`` the CUDA kernels of one
 short round (torch profiler), i.e. the GPU time per step::
 

@@ -68,10 +68,11 @@
 #                                                                                  (<= 9.5 min)
 #   profile [B]  host time per step by function at B (default 256; e.g. 1,64): off, optout,
 #             on (in-process engines)
-#   profile_optout [B]  with logprobs=1 at B (default 256): off, and the on engine's masked
-#             and opted-out rounds in turns within one process (on / on_optout), host time per
-#             step by function and each mode's median engine step (~4 min; ~7 on a machine
-#             whose compile cache is cold)
+#   profile_optout [B]  with logprobs=1 at B (default 256): the on engine's masked and
+#             opted-out rounds in turns within one process (on / on_optout), host time per step
+#             by function and each mode's median engine step; the only engine of its process (a
+#             second engine built in one process runs slower: session 35)    (~3 min; ~5 on a
+#             machine whose compile cache is cold)
 #   frontend  the frontend's CPU per step with vLLM's real OutputProcessor, logprobs=1, 256
 #             requests, stock / on in lock step (bench_output_processor.py; no GPU used: the
 #             host's CPU, which bounds an engine with logprobs)                    (~3 min)
@@ -293,11 +294,11 @@ build_tiny_eagle_draft as b; b('/root/models/qwen3-0.6b', '$draft')"
       --configs off,optout,on --batch-sizes "$batches" --reps 4 --cprofile 40
     ;;
   profile_optout)
-    # logprobs=1 at B (default 256): off, and the on engine's masked and opted-out rounds
-    # taking turns in one process, host time per step by function and the median engine step
+    # logprobs=1 at B (default 256): the on engine's masked and opted-out rounds taking turns
+    # in one process, host time per step by function and the median engine step
     batches=${2:-256}
     bench profile_engine_step "profile_optout_b${batches//,/_}" 540 --no-enforce-eager \
-      --configs off,on --same-process-optout --logprobs 1 --batch-sizes "$batches" --reps 6
+      --configs on --same-process-optout --logprobs 1 --batch-sizes "$batches" --reps 6
     ;;
   frontend)
     bench bench_output_processor output_processor 300 --rounds 12
