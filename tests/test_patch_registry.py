@@ -102,6 +102,7 @@ def test_a_scoped_patch_is_bound_only_inside_its_block(monkeypatch: pytest.Monke
         # Overlapping blocks of two threads (in-process engines): the binding holds until the
         # last one leaves, whichever entered first.
         first, second = patching.scoped_patch(patch.target), patching.scoped_patch(patch.target)
+        assert first is second  # made once, when installed: a step opens it without building it
         first.__enter__()
         second.__enter__()
         first.__exit__(None, None, None)

@@ -116,6 +116,7 @@ class _AppliedPatch:
     original: Any
     replacement: Any
     rebound: list[tuple[ModuleType, str]] = field(default_factory=list)
+    scope: _ScopedBinding | None = None  # a scoped patch's block, made once (``scoped_patch``)
 
 
 _MISSING = object()
@@ -180,6 +181,7 @@ def _install(patch: Patch, module: ModuleType) -> None:
         record = _AppliedPatch(patch, owner, name, original, replacement)
         _applied[patch.target] = record
         if patch.scoped:
+            record.scope = _ScopedBinding(patch.target, record)
             return  # swapped in by scoped_patch only
         if patch.new_module:
             sys.modules[patch.module_name] = replacement
@@ -277,15 +279,16 @@ def scoped_patch(target: str) -> AbstractContextManager[None]:
     scheduler in the same process) sees the replacement too. Raises ``KeyError`` if ``target``
     is not an installed scoped patch.
     """
-    record = _applied[target]
-    if not record.patch.scoped:
+    scope = _applied[target].scope
+    if scope is None:
         raise KeyError(f"{target} is not a scoped patch")
-    return _ScopedBinding(target, record)
+    return scope
 
 
 class _ScopedBinding:
-    """``scoped_patch``'s block: a class rather than a generator, since a mask engine's
-    scheduler opens one every step."""
+    """``scoped_patch``'s block, one per scoped patch, made when the patch is installed and
+    reused by every block (it keeps no state of its own): a mask engine's scheduler opens one
+    every step, so the step neither builds one nor looks up how."""
 
     __slots__ = ("target", "record")
 
