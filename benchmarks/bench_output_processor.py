@@ -27,7 +27,9 @@ Two modes in one process, in lock step (``run_round``), the plugin's patches app
 Reported per round: each mode's thread CPU time per step and stock/on of it (the headline: a
 frontend-bound engine's on/stock throughput, as far as the frontend's own work goes), with the
 collector off while the modes are timed (``--collector off``, the default; see ``run_round``),
-or on, its share counted apart (then also stock/on without that share). The engine core's
+or on, its share counted apart (then also stock/on without that share), and each mode's CPU
+time split between the steps that carry rows in ``on`` (held: every ``HELD_STEPS``-th and the
+last) and the others, per round (``median_ms_per_round``). The engine core's
 frames are built before the round (their cost is the engine core's: ``bench_host_overhead.py``).
 The tokenizer is the tiny model's (a BPE trained on a small corpus, at most
 ``--tokenizer-vocab`` ids), token ids random.
@@ -88,7 +90,6 @@ class RoundInputs:
         from vllm.v1.outputs import LogprobsLists
         from vllm.v1.serial_utils import MsgpackEncoder
 
-        from vllm_sampling_mask.core.scheduler import HELD_STEPS
         from vllm_sampling_mask.engine.transport import (
             EngineCoreOutputsWithMasks,
             EngineCoreOutputWithMask,
@@ -101,6 +102,7 @@ class RoundInputs:
         tokens = rng.integers(1, vocab, (T, R))
         encoder = MsgpackEncoder()
         self.frames: dict[str, list[Any]] = {mode: [] for mode in MODES}
+        self.row_steps = self.row_steps_of(args)
         held: list[list[bytes]] = [[] for _ in range(R)]
         for t in range(T):
             finish = FinishReason.LENGTH if t == T - 1 else None
@@ -117,7 +119,7 @@ class RoundInputs:
                 row_bytes = row.astype("<i4").tobytes()
                 if args.rows == "held":
                     held[r].append(row_bytes)
-                    rows, sent = held[r], finish is not None or (t + 1) % HELD_STEPS == 0
+                    rows, sent = held[r], t in self.row_steps
                     row_bytes = rows if sent else None
                     if sent:
                         held[r] = []
@@ -128,6 +130,16 @@ class RoundInputs:
                                                                          timestamp=stamp)))
             self.frames["on"].append(encoder.encode(EngineCoreOutputsWithMasks(outputs=on,
                                                                                timestamp=stamp)))
+
+    @staticmethod
+    def row_steps_of(args: argparse.Namespace) -> set[int]:
+        """The steps whose ``on`` frames carry rows: every step, or (held) every
+        ``HELD_STEPS``-th and the last."""
+        from vllm_sampling_mask.core.scheduler import HELD_STEPS
+
+        last = args.tokens - 1
+        return {t for t in range(args.tokens)
+                if args.rows == "every_step" or t == last or (t + 1) % HELD_STEPS == 0}
 
 
 def new_processor(mode: str, inputs: RoundInputs, args: argparse.Namespace,
@@ -173,10 +185,12 @@ def run_round(inputs: RoundInputs, args: argparse.Namespace, tokenizer: Any,
     the mode it ran in), but not the slower work after it (caches it emptied), which then
     lands on ``on`` too.
 
-    Returns ``{mode: {"cpu_ms_per_step", "gc_ms_per_step", "full_collections"}}``.
+    Returns ``{mode: {"cpu_ms_per_step", "gc_ms_per_step", "full_collections",
+    "row_steps_ms", "other_steps_ms"}}``: the last two split the round's CPU time between the
+    steps whose ``on`` frames carry rows (``RoundInputs.row_steps``) and the others.
     """
     processors = {mode: new_processor(mode, inputs, args, tokenizer) for mode in MODES}
-    cpu_ns = dict.fromkeys(MODES, 0)
+    step_ns = {mode: [0] * args.tokens for mode in MODES}
     collector = {mode: [0, 0.0] for mode in MODES}  # [full collections, seconds of all]
     finished: dict[str, list[Any]] = {mode: [] for mode in MODES}
     running: list[Any] = [MODES[0], 0.0]  # the mode being timed; its collection's start
@@ -197,12 +211,12 @@ def run_round(inputs: RoundInputs, args: argparse.Namespace, tokenizer: Any,
         for block, first in enumerate(range(0, args.tokens, args.block)):
             for mode in MODES if block % 2 == 0 else MODES[::-1]:
                 running[0] = mode
-                cpu0 = time.thread_time_ns()
-                for frames in inputs.frames[mode][first:first + args.block]:
-                    outputs = decoders[mode].decode(frames)
+                for t in range(first, min(first + args.block, args.tokens)):
+                    cpu0 = time.thread_time_ns()
+                    outputs = decoders[mode].decode(inputs.frames[mode][t])
                     finished[mode] += processors[mode].process_outputs(
                         outputs.outputs, outputs.timestamp).request_outputs
-                cpu_ns[mode] += time.thread_time_ns() - cpu0
+                    step_ns[mode][t] = time.thread_time_ns() - cpu0
     finally:
         gc.enable()
         gc.callbacks.remove(record)
@@ -213,9 +227,16 @@ def run_round(inputs: RoundInputs, args: argparse.Namespace, tokenizer: Any,
         masks = [getattr(c, "sampling_mask", None) for c in completions]
         assert all(m is None for m in masks) if mode == "stock" else all(
             m is not None and len(m) == args.tokens for m in masks), f"{mode}: wrong masks"
-    return {mode: {"cpu_ms_per_step": cpu_ns[mode] / 1e6 / args.tokens,
+
+    def steps_ms(mode: str, row_steps: bool) -> float:
+        return sum(ns for t, ns in enumerate(step_ns[mode])
+                   if (t in inputs.row_steps) == row_steps) / 1e6
+
+    return {mode: {"cpu_ms_per_step": sum(step_ns[mode]) / 1e6 / args.tokens,
                    "gc_ms_per_step": 1e3 * collector[mode][1] / args.tokens,
-                   "full_collections": collector[mode][0]} for mode in MODES}
+                   "full_collections": collector[mode][0],
+                   "row_steps_ms": steps_ms(mode, True),
+                   "other_steps_ms": steps_ms(mode, False)} for mode in MODES}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -268,12 +289,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "median_ms_per_step": {mode: {key: statistics.median(r[mode][key] for r in rounds)
                                       for key in ("cpu_ms_per_step", "gc_ms_per_step")}
                                for mode in MODES},
+        "median_ms_per_round": {mode: {key: statistics.median(r[mode][key] for r in rounds)
+                                       for key in ("row_steps_ms", "other_steps_ms")}
+                                for mode in MODES},
         "stock_over_on": {"all": paired(False), "without_gc": paired(True)},
     }
     med, ratio = report["median_ms_per_step"], report["stock_over_on"]
+    split = report["median_ms_per_round"]
     print(f"\n{args.requests} requests x {args.tokens} tokens, logprobs {args.logprobs}, rows of "
           f"{args.top_k} ids ({args.rows}); frontend CPU per step (median round): stock "
           f"{med['stock']['cpu_ms_per_step']:.3f} ms, on {med['on']['cpu_ms_per_step']:.3f} ms")
+    print(f"per round (median), the {len(RoundInputs.row_steps_of(args))} steps carrying rows: "
+          f"stock {split['stock']['row_steps_ms']:.1f} ms, on {split['on']['row_steps_ms']:.1f} ms;"
+          f" the others: stock {split['stock']['other_steps_ms']:.1f} ms, "
+          f"on {split['on']['other_steps_ms']:.1f} ms")
     lines = ((("all", "the collector off while timed"),) if args.collector == "off" else
              (("without_gc", "without the collector's"),
               ("all", "with the collector's, where it landed")))

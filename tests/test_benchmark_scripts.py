@@ -3,6 +3,7 @@ change to the code they drive can't leave them broken until the next GPU session
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -44,6 +45,20 @@ def test_output_processor_smoke_run(subprocess_env: dict[str, str], tmp_path: Pa
     for key in ("all", "without_gc"):
         assert len(report["stock_over_on"][key]["rounds"]) == 2
         assert report["stock_over_on"][key]["median"] > 0
+    for result in report["rounds"][0].values():  # the steps' split adds up to the round (8 steps)
+        split = result["row_steps_ms"] + result["other_steps_ms"]
+        assert split == pytest.approx(8 * result["cpu_ms_per_step"])
+        assert result["row_steps_ms"] > 0 and result["other_steps_ms"] > 0
+
+
+def test_output_processor_row_steps_are_the_steps_whose_frames_carry_rows() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    from bench_output_processor import RoundInputs
+
+    held = RoundInputs.row_steps_of(argparse.Namespace(tokens=130, rows="held"))
+    assert held == {63, 127, 129}  # every HELD_STEPS-th (64) and the last
+    every = RoundInputs.row_steps_of(argparse.Namespace(tokens=5, rows="every_step"))
+    assert every == set(range(5))
 
 
 def test_pool_paired_rounds_pairs_each_round_with_the_baselines() -> None:
