@@ -170,10 +170,11 @@ def new_processor(mode: str, inputs: RoundInputs, args: argparse.Namespace,
 def run_round(inputs: RoundInputs, args: argparse.Namespace, tokenizer: Any,
               decoders: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Both modes' processors in lock step: every block of ``--block`` steps is decoded and
-    processed by one, then the other (the order flips every block), each timed (thread CPU), so
-    a slow phase of the machine lands on both. (Not every step: vLLM's code would then see the
-    two modes' request-state classes alternate 256 outputs at a time, and CPython's specialised
-    attribute lookups, re-made at every switch, would cost both; an engine runs one mode.)
+    processed by one, then the other (the order flips every block), each step timed (thread
+    CPU), so a slow phase of the machine lands on both. (Modes alternate by block, not every
+    step: vLLM's code would then see the two modes' request-state classes alternate 256
+    outputs at a time, and CPython's specialised attribute lookups, re-made at every switch,
+    would cost both; an engine runs one mode.)
 
     The collector is off while the modes run (``--collector off``; a full collection after the
     round). A full collection walks every tracked object of the process (~600k with vLLM,
