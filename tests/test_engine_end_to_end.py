@@ -15,6 +15,7 @@ import pytest
 from vllm_sampling_mask_testing.held_steps import ENV_HELD_STEPS
 
 from engine_cases import check_mixed_batch, check_opt_out, generate
+from engine_start import start_llm
 from mask_invariants import check_completion
 
 pytestmark = pytest.mark.slow
@@ -27,13 +28,12 @@ MAX_WIDTH = 48
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: str):
-    from vllm import LLM
-
-    engine = LLM(tiny_model_dir, return_sampling_mask=True, logprobs_mode="processed_logprobs",
-                 enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0, dtype="float32",
-                 max_logprobs=MAX_LOGPROBS,
-                 additional_config={"sampling_mask_allow_top_p_only": True,
-                                    "sampling_mask_max_width": MAX_WIDTH})
+    engine = start_llm(
+        tiny_model_dir, return_sampling_mask=True, logprobs_mode="processed_logprobs",
+        enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0, dtype="float32",
+        max_logprobs=MAX_LOGPROBS,
+        additional_config={"sampling_mask_allow_top_p_only": True,
+                           "sampling_mask_max_width": MAX_WIDTH})
     yield engine
     del engine
 

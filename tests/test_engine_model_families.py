@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from engine_cases import generate
+from engine_start import start_llm
 from mask_invariants import check_completion
 from tiny_variants import build_tiny_hybrid
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 def test_hybrid_model_rows_on_the_runner_vllm_picks(tiny_model_dir: str,
                                                     pytestconfig: pytest.Config) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
 
     model = str(build_tiny_hybrid(tiny_model_dir,
@@ -30,8 +31,9 @@ def test_hybrid_model_rows_on_the_runner_vllm_picks(tiny_model_dir: str,
                    max_num_batched_tokens=256, dtype="bfloat16", mamba_ssm_cache_dtype="float32")
     stock_v2 = EngineArgs(model, **options).create_engine_config().use_v2_model_runner
     assert not stock_v2  # vLLM 0.26 runs hybrid models on its V1 runner
-    llm = LLM(model, return_sampling_mask=True, logprobs_mode="processed_logprobs",
-              max_logprobs=32, **options)
+    llm = start_llm(
+        model, return_sampling_mask=True, logprobs_mode="processed_logprobs",
+        max_logprobs=32, **options)
     try:
         assert llm.llm_engine.vllm_config.use_v2_model_runner is stock_v2
         # logprobs = top_k + 8: bfloat16 logits tie at the top-k boundary, and ties are kept.

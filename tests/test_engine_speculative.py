@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from engine_cases import generate
+from engine_start import start_llm
 from mask_invariants import check_completion
 
 pytestmark = pytest.mark.slow
@@ -24,8 +25,6 @@ PATTERN = [41, 42, 43, 44, 45, 46]
 
 @pytest.fixture(scope="module", params=["ngram-v1", "eagle-mrv2"])
 def llm(request: pytest.FixtureRequest, tiny_model_dir: str, pytestconfig: pytest.Config):
-    from vllm import LLM
-
     if request.param == "ngram-v1":
         speculative = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     else:
@@ -34,11 +33,12 @@ def llm(request: pytest.FixtureRequest, tiny_model_dir: str, pytestconfig: pytes
         draft = build_tiny_eagle_draft(
             tiny_model_dir, pytestconfig.cache.mkdir("vllm_sampling_mask_eagle_draft"))
         speculative = {"method": "eagle", "model": str(draft)}
-    engine = LLM(tiny_model_dir, return_sampling_mask=True, logprobs_mode="processed_logprobs",
-                 enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0, dtype="float32",
-                 max_num_batched_tokens=256,  # a small profile run: a faster start on CPU
-                 max_logprobs=32, disable_log_stats=False,
-                 speculative_config={**speculative, "num_speculative_tokens": SPECULATIVE_TOKENS})
+    engine = start_llm(
+        tiny_model_dir, return_sampling_mask=True, logprobs_mode="processed_logprobs",
+        enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0, dtype="float32",
+        max_num_batched_tokens=256,  # a small profile run: a faster start on CPU
+        max_logprobs=32, disable_log_stats=False,
+        speculative_config={**speculative, "num_speculative_tokens": SPECULATIVE_TOKENS})
     expected_v2 = request.param == "eagle-mrv2"
     assert engine.llm_engine.vllm_config.use_v2_model_runner is expected_v2
     yield engine

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from engine_cases import check_mixed_batch, check_opt_out, generate
+from engine_start import start_llm
 from mask_invariants import check_completion
 
 pytestmark = pytest.mark.slow
@@ -23,17 +24,16 @@ TOKEN_BUDGET = 128
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: str, monkeypatch_module: pytest.MonkeyPatch):
-    from vllm import LLM
-
     from vllm_sampling_mask_testing.logits_processors import PROCESSOR
 
     monkeypatch_module.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)  # vLLM's own choice
-    engine = LLM(tiny_model_dir, return_sampling_mask=True, logprobs_mode="processed_logprobs",
-                 enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0, dtype="float32",
-                 max_logprobs=64, max_num_batched_tokens=TOKEN_BUDGET, enable_chunked_prefill=True,
-                 enable_prompt_embeds=True, logits_processors=[PROCESSOR],
-                 additional_config={"sampling_mask_allow_top_p_only": True,
-                                    "sampling_mask_max_width": MAX_WIDTH})
+    engine = start_llm(
+        tiny_model_dir, return_sampling_mask=True, logprobs_mode="processed_logprobs",
+        enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0, dtype="float32",
+        max_logprobs=64, max_num_batched_tokens=TOKEN_BUDGET, enable_chunked_prefill=True,
+        enable_prompt_embeds=True, logits_processors=[PROCESSOR],
+        additional_config={"sampling_mask_allow_top_p_only": True,
+                           "sampling_mask_max_width": MAX_WIDTH})
     yield engine
     del engine
 
