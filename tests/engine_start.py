@@ -13,10 +13,10 @@ that process printed)."""
 def start_llm(*args: Any, **kwargs: Any) -> Any:
     """``vllm.LLM(*args, **kwargs)``, built a second time if the first engine core died starting.
 
-    On a busy machine running two pytest workers, an engine core can die starting for a reason
-    outside the test: vLLM picks its torch.distributed port by binding a free port and releasing
-    it (``get_open_port``), and any process of the machine can take the port before the engine
-    core binds it again (vLLM's own data-parallel group start retries for the same reason). The
+    On a busy machine running two pytest workers, an engine core can die starting for reasons
+    outside the test. One: vLLM picks its torch.distributed port by binding a free port and
+    releasing it (``get_open_port``), and any process of the machine can take the port before
+    the engine core binds it again (vLLM's own data-parallel group start retries for this). The
     failed try is reported as a warning; a failure that repeats fails the test.
     """
     from vllm import LLM
