@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the scripts' modules, imported by the tests below
 
 
 def test_host_overhead_smoke_run(subprocess_env: dict[str, str], tmp_path: Path) -> None:
@@ -52,7 +53,6 @@ def test_output_processor_smoke_run(subprocess_env: dict[str, str], tmp_path: Pa
 
 
 def test_output_processor_row_steps_are_the_steps_whose_frames_carry_rows() -> None:
-    sys.path.insert(0, str(BENCHMARKS))
     from bench_output_processor import RoundInputs
 
     held = RoundInputs.row_steps_of(argparse.Namespace(tokens=130, rows="held"))
@@ -62,7 +62,6 @@ def test_output_processor_row_steps_are_the_steps_whose_frames_carry_rows() -> N
 
 
 def test_pool_paired_rounds_pairs_each_round_with_the_baselines() -> None:
-    sys.path.insert(0, str(BENCHMARKS))
     from pool_paired_rounds import pool
 
     def run(stock: list[float], on: list[float]) -> dict:
@@ -86,7 +85,6 @@ def test_pool_paired_rounds_pairs_each_round_with_the_baselines() -> None:
 
 
 def test_pool_paired_rounds_pairs_the_median_step_metric_where_rounds_have_it() -> None:
-    sys.path.insert(0, str(BENCHMARKS))
     from pool_paired_rounds import pool
 
     def run(stock: list[dict], on: list[dict]) -> dict:
@@ -104,7 +102,6 @@ def test_pool_paired_rounds_pairs_the_median_step_metric_where_rounds_have_it() 
 
 def test_engine_step_times_reads_the_engine_cores_timestamps() -> None:
     # Steps with outputs only; the client's own get_output is back afterwards.
-    sys.path.insert(0, str(BENCHMARKS))
     from types import SimpleNamespace
 
     from bench_engine_throughput import engine_step_times, median_step_seconds
@@ -132,7 +129,6 @@ def test_engine_step_times_reads_the_engine_cores_timestamps() -> None:
 def test_pool_paired_rounds_resamples_whole_generations() -> None:
     # Each generation's engines keep the speed they drew at start: 0.8 in every round of one
     # generation, 1.0 in the other. Resampling rounds would make 0.8-vs-1.0 look resolved.
-    sys.path.insert(0, str(BENCHMARKS))
     from pool_paired_rounds import pool
 
     def engine(values: list[float]) -> dict:
@@ -151,7 +147,6 @@ def test_pool_paired_rounds_resamples_whole_generations() -> None:
 
 def test_pool_paired_rounds_splits_spread_into_rounds_and_processes() -> None:
     # Two rounds per set of processes, +-0.1 around each set's mean (round variance 0.02).
-    sys.path.insert(0, str(BENCHMARKS))
     from pool_paired_rounds import summarize
 
     def clusters(offsets: list[float]) -> list[list[float]]:
@@ -171,7 +166,6 @@ def test_pool_paired_rounds_splits_spread_into_rounds_and_processes() -> None:
 
 
 def test_engine_throughput_merges_generations_into_clustered_pairs() -> None:
-    sys.path.insert(0, str(BENCHMARKS))
     from bench_engine_throughput import merge_generations, paired_ratios
 
     def result(values: list[float]) -> dict:
@@ -196,7 +190,6 @@ def test_profile_engine_step_times_functions_that_exist() -> None:
     # A renamed function would make the profile fail at its start on the GPU machine.
     import importlib
 
-    sys.path.insert(0, str(BENCHMARKS))
     from profile_engine_step import TIMED_FUNCTIONS
 
     for module_name, class_name, attr in TIMED_FUNCTIONS:
@@ -209,7 +202,6 @@ def test_profile_engine_step_times_functions_that_exist() -> None:
 
 def test_profile_engine_step_reports_each_modes_totals_per_model_runner_step() -> None:
     # --same-process-optout: each mode's rounds are timed apart and summed, then per step.
-    sys.path.insert(0, str(BENCHMARKS))
     from profile_engine_step import STEP_COUNTER, StepTimers
 
     timers = StepTimers()
@@ -227,7 +219,6 @@ def test_profile_engine_step_reports_each_modes_totals_per_model_runner_step() -
 def test_profile_engine_step_times_the_cyclic_collector_by_generation() -> None:
     import gc
 
-    sys.path.insert(0, str(BENCHMARKS))
     from profile_engine_step import StepTimers
 
     timers = StepTimers()
@@ -243,7 +234,6 @@ def test_profile_engine_step_times_the_cyclic_collector_by_generation() -> None:
 
 def test_http_profile_summarizes_the_busiest_thread_and_the_plugins_frames() -> None:
     # py-spy's raw format: one line per distinct stack, outermost frame first, then its count.
-    sys.path.insert(0, str(BENCHMARKS))
     from profile_http_server import summarize_stacks
 
     raw = "\n".join([
@@ -270,7 +260,6 @@ def test_http_profile_summarizes_the_busiest_thread_and_the_plugins_frames() -> 
 def test_engine_throughput_pairs_the_on_engine_with_its_own_opted_out_rounds() -> None:
     # --same-process-optout: on/on_optout pairs the two modes of one process, whether or not a
     # stock engine ran beside it; on/stock and on_optout/stock still pair with stock's rounds.
-    sys.path.insert(0, str(BENCHMARKS))
     from bench_engine_throughput import SAME_PROCESS_OPTOUT, paired_ratios
 
     def result(values: list[float], interleaved: bool = True) -> dict:
@@ -294,7 +283,6 @@ def test_engine_throughput_pairs_the_on_engine_with_its_own_opted_out_rounds() -
 def test_engine_throughput_pairs_both_modes_with_the_stock_sampler_rounds() -> None:
     # --same-process-stock-sampler: on and on_optout each pair with the same process's rounds on
     # vLLM's own sampler; the mode is refused with --logprobs (not stock's path there).
-    sys.path.insert(0, str(BENCHMARKS))
     from bench_engine_throughput import (
         SAME_PROCESS_OPTOUT,
         SAME_PROCESS_STOCK_SAMPLER,
@@ -322,7 +310,6 @@ def test_engine_throughput_checkpoints_every_round_but_a_generations_last(monkey
     # marked as such, and the checkpoint merges into a report like the final one.
     import argparse
 
-    sys.path.insert(0, str(BENCHMARKS))
     import bench_engine_throughput as bench
 
     class FakeEngine:
@@ -361,7 +348,6 @@ def test_engine_throughput_checkpoints_every_round_but_a_generations_last(monkey
 def test_pool_paired_rounds_reads_http_reports() -> None:
     # bench_http_throughput.py's modes alternate on one server: each concurrency pools as a
     # batch size, each report as a cluster.
-    sys.path.insert(0, str(BENCHMARKS))
     from pool_paired_rounds import engine_shaped, pool
 
     def report(off: list[float], compact: list[float]) -> dict:
@@ -381,7 +367,6 @@ def test_http_rounds_read_the_engine_side_from_prometheus_counters() -> None:
     # Each HTTP round reads vLLM's /metrics before and after: summed over label sets, the
     # differences give engine steps, tokens per step, the inter-token period and the server's
     # latency; a server without /metrics gives nothing (the round still counts).
-    sys.path.insert(0, str(BENCHMARKS))
     import bench_http_throughput as bench
 
     def metrics(steps: float, tokens: float, itl_s: float, e2e_s: float, requests: float) -> str:
@@ -420,7 +405,6 @@ def test_http_rounds_read_the_engine_side_from_prometheus_counters() -> None:
 def test_thread_load_reports_the_busiest_thread_of_each_side() -> None:
     # Which process bounds a round: the busiest thread's CPU seconds over the round's wall time,
     # from per-thread totals before and after (a thread started during the round counts from 0).
-    sys.path.insert(0, str(BENCHMARKS))
     from thread_load import busiest_threads
 
     before = {"frontend": {1: 10.0, 2: 5.0}, "core": {7: 100.0}}
@@ -479,7 +463,6 @@ def test_pinning_puts_each_sides_main_threads_alone_on_its_first_cpu(tmp_path: P
 
 def test_wake_placement_reads_the_cpu_each_turn_ran_on() -> None:
     # Both processes on one CPU: every turn of each must read that CPU back.
-    sys.path.insert(0, str(BENCHMARKS))
     from probe_machine_noise import wake_placement
 
     cpu = min(os.sched_getaffinity(0))
@@ -496,7 +479,6 @@ def test_the_neighbour_probe_times_each_cpu_alone_then_beside_a_running_spinner(
     # running, the second with its spinner running, and stop the spinner afterwards.
     import multiprocessing
 
-    sys.path.insert(0, str(BENCHMARKS))
     import probe_machine_noise
 
     def fake_loop_seconds(cpus: list[int], reps: int) -> dict[int, list[float]]:
