@@ -152,7 +152,7 @@ class RequestMaskRows:
                 self.varint = False
                 if self.blocks:
                     self.blocks = [delta_varint_as_int32le(self.lengths, b"".join(self.blocks))]
-        self.lengths.fromlist(lengths)  # half of extend's time: it converts a list only
+        self.lengths.fromlist(lengths)  # not extend: its generic per-item path is slower
         self.blocks.append(block)
         pending.clear()
 
