@@ -43,6 +43,9 @@
 #             (one set of engine processes per call at B=1/64/256; pool the calls' JSON with
 #             pool_paired_rounds.py, each call a cluster); with B (e.g. 256) that batch size
 #             alone, 3 generations of 4 rounds: three clusters per call          (~6-9 min)
+#   host [N]  FlashInfer's JIT (minutes on a new machine, ~30 s once cached), then N (3) runs
+#             of bench_host_overhead.py --pin-fastest: criterion 4, several runs on one host
+#             (~7 min on a new machine)
 #   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled, 6 rounds
 #             (the rounds of C=64 spread ~4%: pool several servers' JSON)         (~5 min)
 #   http_stop HTTP at concurrency 1 and 64, rows held (off / compact) and, in the same
@@ -80,8 +83,9 @@
 #
 # Each step writes <step>.json and <step>.log under $OUT (default bench_out/) and runs under its
 # own time limit; a step that fails is reported and the next one runs. The exit status is the
-# number of failed steps. SMALL=1 runs the benchmark steps of `engine`, `logprobs` and `http` as
-# their CPU smoke runs (--small), to check this script without a GPU; the tests need the GPU.
+# number of failed steps. SMALL=1 runs the benchmark steps of `engine`, `logprobs`, `host` and
+# `http` as their CPU smoke runs (--small), to check this script without a GPU; the tests need
+# the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench_out}
@@ -219,6 +223,16 @@ case "${1:-}" in
     bench bench_engine_throughput engine_logprobs $([ -n "${2:-}" ] && echo 560 || echo 330) \
       --configs stock,on --same-process-optout --interleave --pin 5 "${compiled[@]}" --reps 4 \
       --logprobs 1 ${2:+--batch-sizes "$2" --generations 3}
+    ;;
+  host)
+    # Criterion 4 on this host: ${2:-3} runs of bench_host_overhead, after FlashInfer's JIT (the
+    # launch timers sample with it: minutes on a new machine, which would eat a run's limit).
+    # Runs caught in one of a host's slow phases (vLLM's own encode_stock / decode_stock at
+    # ~2x) are set apart by those figures (docs/benchmarks.md, "Host work per step").
+    [ -n "$small" ] || flashinfer_jit
+    for run in $(seq "${2:-3}"); do
+      bench bench_host_overhead "host_overhead_$run" 90 --pin-fastest
+    done
     ;;
   http)
     bench bench_host_overhead host_overhead 60 --pin-fastest
