@@ -413,6 +413,29 @@ def test_final_only_rows_are_held_until_the_last_output(configs: dict[bool, Vllm
     assert scheduler.__dict__["sampling_mask_held"] == {} and scheduler.requests == {}
 
 
+def test_held_rows_reach_the_last_output_with_async_scheduling(
+    configs: dict[bool, VllmConfig]
+) -> None:
+    """AsyncScheduler, each step scheduled before the previous one's output is processed: a
+    held request that finishes (EOS, then max_tokens) gets all its rows with its last output,
+    and the frame already in flight for it adds none."""
+    scheduler = build_scheduler(configs[True], cls=AsyncScheduler)
+    runner = FakeRunner({"a": [11, EOS_TOKEN_ID, 13, 14], "b": [21, 22, 23, 24, 25]})
+    add_request(scheduler, "a", 5, max_tokens=10, output_kind=FINAL_ONLY)
+    add_request(scheduler, "b", 5, max_tokens=3, output_kind=FINAL_ONLY)
+    in_flight = [(out := scheduler.schedule(), runner.execute(scheduler, out))]
+    steps: list[Outputs] = []
+    while scheduler.requests:
+        following = scheduler.schedule()
+        in_flight.append((following, runner.execute(scheduler, following)))
+        steps.append(update(scheduler, *in_flight.pop(0)))
+    for req_id, last in (("a", 1), ("b", 2)):
+        assert all(steps[step][req_id].sampling_mask is None for step in range(last))
+        assert steps[last][req_id].finish_reason is not None
+        assert held_rows(steps[last][req_id]) == [runner.rows[(req_id, s)] for s in range(last + 1)]
+    assert scheduler.__dict__["sampling_mask_held"] == {}
+
+
 def test_a_long_held_request_sends_its_rows_every_held_steps(
     configs: dict[bool, VllmConfig], monkeypatch: pytest.MonkeyPatch
 ) -> None:
