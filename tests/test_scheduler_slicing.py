@@ -416,9 +416,10 @@ def test_final_only_rows_are_held_until_the_last_output(configs: dict[bool, Vllm
 def test_held_rows_reach_the_last_output_with_async_scheduling(
     configs: dict[bool, VllmConfig]
 ) -> None:
-    """AsyncScheduler, each step scheduled before the previous one's output is processed: a
-    held request that finishes (EOS, then max_tokens) gets all its rows with its last output,
-    and the frame already in flight for it adds none."""
+    """AsyncScheduler, each step scheduled before the previous one's output is processed: held
+    requests that finish get all their rows with their last output, one by EOS (a frame was
+    already in flight for it, which adds no row) and one by max_tokens (which the scheduler saw
+    coming: no frame after it)."""
     scheduler = build_scheduler(configs[True], cls=AsyncScheduler)
     runner = FakeRunner({"a": [11, EOS_TOKEN_ID, 13, 14], "b": [21, 22, 23, 24, 25]})
     add_request(scheduler, "a", 5, max_tokens=10, output_kind=FINAL_ONLY)
@@ -433,6 +434,8 @@ def test_held_rows_reach_the_last_output_with_async_scheduling(
         assert all(steps[step][req_id].sampling_mask is None for step in range(last))
         assert steps[last][req_id].finish_reason is not None
         assert held_rows(steps[last][req_id]) == [runner.rows[(req_id, s)] for s in range(last + 1)]
+        assert all(req_id not in step for step in steps[last + 1:])
+    assert ("a", 2) in runner.rows  # the frame in flight when "a" sampled EOS: its row went nowhere
     assert scheduler.__dict__["sampling_mask_held"] == {}
 
 
