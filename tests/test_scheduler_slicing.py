@@ -436,6 +436,7 @@ def test_held_rows_reach_the_last_output_with_async_scheduling(
         assert held_rows(steps[last][req_id]) == [runner.rows[(req_id, s)] for s in range(last + 1)]
         assert all(req_id not in step for step in steps[last + 1:])
     assert ("a", 2) in runner.rows  # the frame in flight when "a" sampled EOS: its row went nowhere
+    assert ("b", 3) not in runner.rows
     assert scheduler.__dict__["sampling_mask_held"] == {}
 
 
