@@ -46,8 +46,9 @@
 #   host [N]  FlashInfer's JIT (minutes on a new machine, ~30 s once cached), then N (3) runs
 #             of bench_host_overhead.py --pin-fastest: criterion 4, several runs on one host
 #             (~7 min on a new machine)
-#   http      host overhead; HTTP throughput at concurrency 1 and 64, compiled, 6 rounds
-#             (the rounds of C=64 spread ~4%: pool several servers' JSON)         (~5 min)
+#   http      FlashInfer's JIT, host overhead; HTTP throughput at concurrency 1 and 64,
+#             compiled, 6 rounds (the rounds of C=64 spread ~4%: pool several servers' JSON)
+#             (~5 min after `host` or `verify` on the same machine)
 #   http_stop HTTP at concurrency 1 and 64, rows held (off / compact) and, in the same
 #             rounds, sent every step (off_stop / compact_stop: a never-matching stop
 #             string), compiled, 6 rounds                                           (~6 min)
@@ -235,6 +236,9 @@ case "${1:-}" in
     done
     ;;
   http)
+    # The host-overhead step's launch timers sample with FlashInfer: its JIT first (~30 s once
+    # cached; minutes on a new machine, where `host` or `verify` should run first).
+    [ -n "$small" ] || flashinfer_jit
     bench bench_host_overhead host_overhead 60 --pin-fastest
     bench bench_http_throughput http 330 /root/models/qwen3-0.6b "${compiled[@]}" \
       --concurrency 1,64 --rounds 6
