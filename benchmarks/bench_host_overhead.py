@@ -18,7 +18,9 @@ with top_k ``--top-k``, through the same code the engine runs, each hop timed se
                        -> the step's row bytes and offsets; ``unpack_overflow``: the same with
                        one row wider than W (expanded from the bitmap by ``expand_rows``);
 - ``scheduler``        engine core: the ``Scheduler.update_from_output`` wrapper, i.e.
-                       the step's row bytes, one to every request's output;
+                       the step's row bytes, one to every request's output, by the C loop
+                       where it is built (``machine.hand_out_loop``); ``scheduler_python`` and
+                       ``scheduler_held_python`` (not in the totals) its Python reference;
 - ``encode``/``decode`` the ZMQ hop: vLLM's ``MsgpackEncoder`` / ``MsgpackDecoder`` of one
                        ``EngineCoreOutputs`` of R outputs with masks and, ``*_stock``, without
                        (vLLM's own types); ``*_extra`` is the difference;
@@ -189,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     from vllm.v1.engine import FinishReason
 
+    from vllm_sampling_mask.core import scheduler as scheduler_module
     from vllm_sampling_mask.core.scheduler import HELD_STEPS, wrap_update_from_output
     from vllm_sampling_mask.patches import PATCHES
     from vllm_sampling_mask.patching import apply_patches
@@ -257,7 +260,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
     def scheduler_step(sched: Any) -> Any:
         return update(sched, sched_output, runner_output)
 
-    timed("scheduler", scheduler_step, scheduler_setup)
+    def scheduler_step_python(sched: Any) -> Any:  # the C loop's Python reference instead
+        native = scheduler_module._hand_out_rows_native
+        scheduler_module._hand_out_rows_native = None
+        try:
+            return update(sched, sched_output, runner_output)
+        finally:
+            scheduler_module._hand_out_rows_native = native
+
+    hand_out_loop = "python" if scheduler_module._hand_out_rows_native is None else "c"
+    timed_together({
+        "scheduler": (scheduler_step, scheduler_setup),
+        # with the C loop built, its Python reference alone beside it (not in the totals)
+        **({"scheduler_python": (scheduler_step_python, scheduler_setup),
+            "scheduler_held_python": (scheduler_step_python, lambda: scheduler_setup(held=True))}
+           if hand_out_loop == "c" else {}),
+    })
     timed_together({  # the flush's share is their difference
         "scheduler_held": (scheduler_step, lambda: scheduler_setup(held=True)),
         "scheduler_held_flush": (scheduler_step, lambda: scheduler_setup(held=True, flush=True)),
@@ -411,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    "unpack_overflow_wide_row": min(V, 4 * K)},
         "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "numpy": np.__version__, "msgspec": msgspec.__version__,
-                    "pinned": pinned},
+                    "pinned": pinned, "hand_out_loop": hand_out_loop},
         "results": results,
         "wire_bytes": wire_bytes,
         "per_step_ms": per_step,

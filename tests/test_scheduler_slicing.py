@@ -32,6 +32,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.utils.hashing import get_hash_fn_by_name
 
 from vllm_builders import EOS_TOKEN_ID, engine_core_request, sampling_params
+from vllm_sampling_mask.core import scheduler as scheduler_module
 from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, rows_mask
 from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
 
@@ -44,6 +45,16 @@ Row = list[int]
 
 
 # --------------------------------------------------------------------------- builders
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def hand_out_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the scheduler's C loop and with its Python reference."""
+    if request.param == "python":
+        monkeypatch.setattr(scheduler_module, "_hand_out_rows_native", None)
+    elif scheduler_module._hand_out_rows_native is None:
+        pytest.skip("the C loop (core/_hand_out_native.c) is not built here")
+    return request.param
 
 
 def _engine_config(model: str, **kwargs: object) -> VllmConfig:

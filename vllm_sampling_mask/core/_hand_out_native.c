@@ -1,0 +1,188 @@
+/* The scheduler's per-output row hand-out in C (the engine core's hot loop at large batches).
+ *
+ * `hand_out_rows` does what `vllm_sampling_mask.core.scheduler._hand_out_rows_python` does for
+ * every output of one step: the Python loop is the reference, this is the same loop without the
+ * interpreter (its bytecode, not its objects: every row is still one bytes object). Both are
+ * compared on the same steps by tests/test_scheduler_slicing.py. Built where a C compiler and
+ * Python's headers are found (an optional extension, setup.py); without it the scheduler runs
+ * the Python loop.
+ *
+ * Every index and offset is checked: a step whose rows don't fit its blob raises instead of
+ * handing out a wrong row.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyObject *str_new_token_ids, *str_request_id, *str_finish_reason, *str_sampling_mask;
+
+/* The int at position r of a tuple or list of ints (-1 with an exception set on error). */
+static Py_ssize_t
+int_at(PyObject *seq, Py_ssize_t r)
+{
+    Py_ssize_t size = PyTuple_Check(seq) ? PyTuple_GET_SIZE(seq) : PyList_GET_SIZE(seq);
+    if (r < 0 || r >= size) {
+        PyErr_Format(PyExc_IndexError, "batch row %zd of a step with %zd rows", r, size);
+        return -1;
+    }
+    PyObject *item = PyTuple_Check(seq) ? PyTuple_GET_ITEM(seq, r) : PyList_GET_ITEM(seq, r);
+    return PyLong_AsSsize_t(item);
+}
+
+/* blob[start:end] as a new bytes object, or NULL (IndexError) where the row is not in blob. */
+static PyObject *
+row_of(PyObject *blob, Py_ssize_t start, Py_ssize_t end)
+{
+    if (start < 0 || end < start || end > PyBytes_GET_SIZE(blob)) {
+        PyErr_Format(PyExc_IndexError, "row [%zd, %zd) outside the step's %zd bytes", start, end,
+                     PyBytes_GET_SIZE(blob));
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(blob) + start, end - start);
+}
+
+/* 1 if output.finish_reason is not None, 0 if it is, -1 on error. */
+static int
+has_finished(PyObject *output)
+{
+    PyObject *reason = PyObject_GetAttr(output, str_finish_reason);
+    if (reason == NULL)
+        return -1;
+    int finished = reason != Py_None;
+    Py_DECREF(reason);
+    return finished;
+}
+
+/* The rows of one output with one new token; 0, or -1 on error. */
+static int
+hand_out_one(PyObject *output, PyObject *index, PyObject *held, PyObject *starts,
+             PyObject *ends, PyObject *blob, int flush, PyObject *send)
+{
+    PyObject *request_id = PyObject_GetAttr(output, str_request_id);
+    if (request_id == NULL)
+        return -1;
+    PyObject *batch_row = PyDict_GetItemWithError(index, request_id); /* borrowed */
+    if (batch_row == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, request_id);
+        Py_DECREF(request_id);
+        return -1;
+    }
+    PyObject *rows = PyDict_GetItemWithError(held, request_id); /* borrowed */
+    Py_DECREF(request_id);
+    if (rows == NULL && PyErr_Occurred())
+        return -1;
+    Py_ssize_t r = PyLong_AsSsize_t(batch_row);
+    if (r == -1 && PyErr_Occurred())
+        return -1;
+    Py_ssize_t start = int_at(starts, r);
+    if (start == -1 && PyErr_Occurred())
+        return -1;
+    if (rows == NULL && start < 0)
+        return 0; /* opted out: no row (the field's default) */
+    Py_ssize_t end = int_at(ends, r);
+    if (end == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *row = row_of(blob, start, end);
+    if (row == NULL)
+        return -1;
+    if (rows == NULL) {
+        int failed = PyObject_SetAttr(output, str_sampling_mask, row);
+        Py_DECREF(row);
+        return failed;
+    }
+    if (!PyList_Check(rows)) {
+        Py_DECREF(row);
+        PyErr_SetString(PyExc_TypeError, "a held request's rows must be a list");
+        return -1;
+    }
+    int failed = PyList_Append(rows, row);
+    Py_DECREF(row);
+    if (failed)
+        return -1;
+    int finished = flush ? 1 : has_finished(output);
+    if (finished <= 0)
+        return finished;
+    return PyList_Append(send, output);
+}
+
+PyDoc_STRVAR(hand_out_rows_doc,
+"hand_out_rows(outputs, index, held, starts, ends, blob, flush) -> (several, send)\n\n"
+"For every output (a list of EngineCoreOutputWithMask) with one new token: set its\n"
+"sampling_mask to its row, blob[starts[r]:ends[r]] (r = index[request_id]; no row where\n"
+"starts[r] < 0: opted out), or, for a request in held (request id -> list of rows), append\n"
+"the row there. starts: tuple or list of int, ends: list of int, blob: bytes.\n"
+"several: the outputs with more than one new token; send: the held requests' outputs that\n"
+"carry their rows now (flush, or a finish), in order, for _send_held_rows.");
+
+static PyObject *
+hand_out_rows(PyObject *self, PyObject *args)
+{
+    PyObject *outputs, *index, *held, *starts, *ends, *blob;
+    int flush;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!O!p:hand_out_rows", &PyList_Type, &outputs,
+                          &PyDict_Type, &index, &PyDict_Type, &held, &starts, &PyList_Type,
+                          &ends, &PyBytes_Type, &blob, &flush))
+        return NULL;
+    if (!PyTuple_Check(starts) && !PyList_Check(starts)) {
+        PyErr_SetString(PyExc_TypeError, "starts must be a tuple or a list");
+        return NULL;
+    }
+    PyObject *several = PyList_New(0), *send = PyList_New(0);
+    if (several == NULL || send == NULL)
+        goto fail;
+    int any_held = PyDict_GET_SIZE(held) > 0;
+    /* outputs may not change size while this runs: nothing here calls back into Python code
+       that could reach it, but index it by its size at each step all the same. */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outputs); i++) {
+        PyObject *output = PyList_GET_ITEM(outputs, i);
+        Py_INCREF(output);
+        PyObject *new_token_ids = PyObject_GetAttr(output, str_new_token_ids);
+        Py_ssize_t num_new = -1;
+        if (new_token_ids != NULL) {
+            num_new = PyObject_Length(new_token_ids);
+            Py_DECREF(new_token_ids);
+        }
+        int failed = num_new < 0;
+        if (num_new == 1) {
+            failed = hand_out_one(output, index, held, starts, ends, blob, flush, send) < 0;
+        } else if (num_new > 1) {
+            failed = PyList_Append(several, output) < 0;
+        } else if (num_new == 0 && any_held) {
+            int finished = has_finished(output); /* a finish without a token */
+            failed = finished < 0 || (finished && PyList_Append(send, output) < 0);
+        }
+        Py_DECREF(output);
+        if (failed)
+            goto fail;
+    }
+    PyObject *result = PyTuple_Pack(2, several, send);
+    Py_DECREF(several);
+    Py_DECREF(send);
+    return result;
+fail:
+    Py_XDECREF(several);
+    Py_XDECREF(send);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"hand_out_rows", hand_out_rows, METH_VARARGS, hand_out_rows_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_hand_out_native",
+    "The scheduler's row hand-out in C (see _hand_out_native.c).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__hand_out_native(void)
+{
+    str_new_token_ids = PyUnicode_InternFromString("new_token_ids");
+    str_request_id = PyUnicode_InternFromString("request_id");
+    str_finish_reason = PyUnicode_InternFromString("finish_reason");
+    str_sampling_mask = PyUnicode_InternFromString("sampling_mask");
+    if (!str_new_token_ids || !str_request_id || !str_finish_reason || !str_sampling_mask)
+        return NULL;
+    return PyModule_Create(&module);
+}
