@@ -529,7 +529,8 @@ def _cpu_name() -> str:
 def table(report: dict) -> str:
     c, r = report["config"], report["results"]
     lines = [f"R={c['requests']} requests, V={c['vocab']}, top_k={c['top_k']} "
-             f"({report['machine']['cpu']}, {report['machine']['cpus']} CPUs)", "",
+             f"({report['machine']['cpu']}, {report['machine']['cpus']} CPUs; the scheduler's "
+             f"loop: {report['machine']['hand_out_loop']})", "",
              "| hop | CPU ms | CPU p90 ms | wall ms | CPU us / request |",
              "|---|---:|---:|---:|---:|"]
     for name, t in r.items():

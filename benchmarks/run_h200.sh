@@ -146,6 +146,19 @@ if [ -z "$small" ] && compgen -G ".vstage4/*.so.xz" > /dev/null; then
   echo "== flashinfer AOT modules installed from .vstage4: $(ls "$aot")"
 fi
 
+# The scheduler's loop in C (core/_hand_out_native.c), as setup.sh's install built it, into this
+# checkout: the tests import the package from here (tests_path), and the device's copy of the
+# working tree, like git, has no built files. Printed, so that each call says which loop ran.
+if [ -z "$small" ]; then
+  native=$(cd / && python3 -c "import glob, vllm_sampling_mask.core as c; \
+print(*glob.glob(c.__path__[0] + '/_hand_out_native*.so'))" 2>/dev/null)
+  if [ -n "$native" ]; then
+    cp $native vllm_sampling_mask/core/ && echo "== the scheduler's loop: C ($(basename $native))"
+  else
+    echo "== the scheduler's loop: Python (setup.sh's install built no _hand_out_native)"
+  fi
+fi
+
 models=/root/models
 # family_models CALLS: the tiny_variants builders (target t = the Qwen3-0.6B-shaped model), the
 # widths test_gpu_model_families.py uses; each reuses a model already built.
@@ -187,6 +200,9 @@ case "${1:-}" in
     PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
       step gpu_tests 330 python3 -m pytest -q -s -m gpu tests/test_candidate_sampler.py \
       tests/test_compaction_kernel.py tests/test_gpu_engine.py
+    # the C loop against its Python reference, as built on this machine (no GPU needed)
+    PYTHONPATH="$tests_path" step hand_out_native 120 python3 -m pytest -q \
+      tests/test_hand_out_native.py
     bench bench_compaction compaction 60 --batch-sizes 256,512 --vocab-sizes 151936 \
       --top-ks 50,4097 --unpack-reps 10
     ;;
