@@ -1,11 +1,15 @@
-"""The optional C extension; everything else is in pyproject.toml.
+"""The optional C extensions; everything else is in pyproject.toml.
 
-``vllm_sampling_mask.core._hand_out_native`` is the engine core's per-output row hand-out
-without the interpreter. It is optional: where no C compiler or no Python headers are found the
-install goes on without it, and the scheduler runs the same loop in Python.
+Two per-output loops without the interpreter: the engine core's row hand-out
+(``core/_hand_out_native.c``) and the frontend's row intake (``engine/_take_rows_native.c``).
+Both are optional: where no C compiler or no Python headers are found the install goes on
+without them, and the same loops run in Python.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("vllm_sampling_mask.core._hand_out_native",
-                             ["vllm_sampling_mask/core/_hand_out_native.c"], optional=True)])
+setup(ext_modules=[
+    Extension(f"vllm_sampling_mask.{name.replace('/', '.')}", [f"vllm_sampling_mask/{name}.c"],
+              optional=True)
+    for name in ("core/_hand_out_native", "engine/_take_rows_native")
+])

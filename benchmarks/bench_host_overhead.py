@@ -25,7 +25,9 @@ with top_k ``--top-k``, through the same code the engine runs, each hop timed se
                        ``EngineCoreOutputs`` of R outputs with masks and, ``*_stock``, without
                        (vLLM's own types); ``*_extra`` is the difference;
 - ``frontend``         the ``OutputProcessor.process_outputs`` wrapper: accumulation of each
-                       request's undecoded rows on its state;
+                       request's undecoded rows on its state, by the C loop where it is built
+                       (``machine.take_rows_loop``); ``frontend_python`` (not in the totals) its
+                       Python reference;
 - ``*_held``           the same hops for FINAL_ONLY requests without stop strings, whose rows the
                        engine core holds (``LLM.generate``, non-streaming HTTP): a step that
                        sends no rows, and (``*_held_flush``) the step every ``HELD_STEPS`` that
@@ -192,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from vllm.v1.engine import FinishReason
 
     from vllm_sampling_mask.core import scheduler as scheduler_module
+    from vllm_sampling_mask.engine import output_processor as output_processor_module
     from vllm_sampling_mask.core.scheduler import HELD_STEPS, wrap_update_from_output
     from vllm_sampling_mask.patches import PATCHES
     from vllm_sampling_mask.patching import apply_patches
@@ -323,7 +326,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return Stub(sampling_mask_requests=set(request_ids), request_states=states,
                     sampling_mask_lockstep=set(request_ids), sampling_mask_calls=0)
 
-    timed("frontend", lambda proc: process(proc, decoded.outputs), frontend_setup)
+    def frontend_python(proc: Any) -> Any:  # the C loop's Python reference instead
+        native = output_processor_module._take_rows_native
+        output_processor_module._take_rows_native = None
+        try:
+            return process(proc, decoded.outputs)
+        finally:
+            output_processor_module._take_rows_native = native
+
+    take_rows_loop = "python" if output_processor_module._take_rows_native is None else "c"
+    timed_together({
+        "frontend": (lambda proc: process(proc, decoded.outputs), frontend_setup),
+        # with the C loop built, its Python reference beside it (not in the totals)
+        **({"frontend_python": (frontend_python, frontend_setup)} if take_rows_loop == "c"
+           else {}),
+    })
     # Held (FINAL_ONLY) requests mid-generation: their outputs carry no rows.
     held_outputs = decoder_stock.decode(frames_stock).outputs
 
@@ -429,7 +446,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    "unpack_overflow_wide_row": min(V, 4 * K)},
         "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "numpy": np.__version__, "msgspec": msgspec.__version__,
-                    "pinned": pinned, "hand_out_loop": hand_out_loop},
+                    "pinned": pinned, "hand_out_loop": hand_out_loop,
+                    "take_rows_loop": take_rows_loop},
         "results": results,
         "wire_bytes": wire_bytes,
         "per_step_ms": per_step,
@@ -530,7 +548,8 @@ def table(report: dict) -> str:
     c, r = report["config"], report["results"]
     lines = [f"R={c['requests']} requests, V={c['vocab']}, top_k={c['top_k']} "
              f"({report['machine']['cpu']}, {report['machine']['cpus']} CPUs; the scheduler's "
-             f"loop: {report['machine']['hand_out_loop']})", "",
+             f"loop: {report['machine']['hand_out_loop']}, the frontend's: "
+             f"{report['machine']['take_rows_loop']})", "",
              "| hop | CPU ms | CPU p90 ms | wall ms | CPU us / request |",
              "|---|---:|---:|---:|---:|"]
     for name, t in r.items():

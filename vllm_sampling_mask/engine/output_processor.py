@@ -36,6 +36,13 @@ from vllm_sampling_mask.config import REQUEST_KEY, request_wants_masks, rows_hel
 from vllm_sampling_mask.engine.transport import MASK_BUG_HINT, fail_output, rows_mask
 from vllm_sampling_mask.outputs import SamplingMask
 
+try:  # the common outputs of _take_rows_every_step_python in C: an optional extension (setup.py)
+    from vllm_sampling_mask.engine._take_rows_native import (
+        take_rows_every_step as _take_rows_native,
+    )
+except ImportError:  # installed without a C compiler
+    _take_rows_native = None
+
 logger = logging.getLogger("vllm_sampling_mask")
 _ROWS_ATTR = "sampling_mask_rows"
 # On a mask engine's OutputProcessor: the ids of the requests given a row list, a superset of
@@ -324,7 +331,28 @@ def wrap_process_outputs(original: Any) -> Any:
 
 def _take_rows_every_step(processor: Any, outputs: list[Any], mask_requests: set[str]) -> list[str]:
     """The pass while a request whose rows come every step is in flight: every output's request
-    is looked up. Returns the ids of the requests failed here that the engine core still runs."""
+    is looked up. Returns the ids of the requests failed here that the engine core still runs.
+
+    Where the C loop (``_take_rows_native``) is built, it takes the common outputs (one row for
+    one token, nothing for none) and leaves the rest to the Python loop."""
+    lockstep_seen = False
+    if _take_rows_native is not None and outputs.__class__ is list:
+        lockstep_seen, outputs = _take_rows_native(outputs, processor.request_states, _ROWS_ATTR,
+                                                   COMPACT_ROWS)
+    to_abort, lockstep_rest = _take_rows_every_step_python(processor, outputs)
+    if not (lockstep_seen or lockstep_rest):
+        # None of these outputs had rows every step: forget the requests that finished or were
+        # aborted since, so that steps of opted-out (or held) requests alone skip this pass. (By
+        # the remembered ids, not the states: AsyncLLM hands a step over in chunks, and a chunk
+        # of opted-out outputs beside masked traffic must not cost a pass over all.)
+        _forget_finished(processor, mask_requests)
+    return to_abort
+
+
+def _take_rows_every_step_python(processor: Any, outputs: list[Any]) -> tuple[list[str], bool]:
+    """``_take_rows_every_step``'s loop in Python, for every kind of output: the reference of
+    the C loop, and the loop for what that leaves. Returns the failed requests to abort and
+    whether an output of a request whose rows come every step was seen."""
     states = processor.request_states
     to_abort: list[str] = []
     lockstep_seen = False
@@ -343,7 +371,7 @@ def _take_rows_every_step(processor: Any, outputs: list[Any], mask_requests: set
         lockstep_seen = True
         num_new = len(output.new_token_ids)
         if row is not None:
-            if num_new == 1:
+            if num_new == 1 and row.__class__ is bytes:
                 pending = holder.pending
                 if pending is None:
                     holder.append(row)
@@ -360,13 +388,7 @@ def _take_rows_every_step(processor: Any, outputs: list[Any], mask_requests: set
         num_rows = 0 if row is None else len(row) if row.__class__ is list else 1
         _fail(state, output, f"an output with {num_new} token(s) carries {num_rows} row(s)",
               to_abort)
-    if not lockstep_seen:
-        # None of these outputs had rows every step: forget the requests that finished or were
-        # aborted since, so that steps of opted-out (or held) requests alone skip this pass. (By
-        # the remembered ids, not the states: AsyncLLM hands a step over in chunks, and a chunk
-        # of opted-out outputs beside masked traffic must not cost a pass over all.)
-        _forget_finished(processor, mask_requests)
-    return to_abort
+    return to_abort, lockstep_seen
 
 
 def _take_held_rows(processor: Any, outputs: list[Any], mask_requests: set[str]) -> list[str]:
