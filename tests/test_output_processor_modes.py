@@ -27,6 +27,7 @@ from vllm_builders import engine_core_output, engine_core_request, mask_row, sam
 from vllm_sampling_mask.engine import output_processor as output_processor_module
 from vllm_sampling_mask.engine.output_processor import enable_masks
 from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask
+from vllm_sampling_mask_testing.native_loops import loop_fixture
 from vllm_sampling_mask_testing.object_layout import attributes_in_a_dict_of_their_own
 
 DELTA = RequestOutputKind.DELTA
@@ -40,14 +41,8 @@ Row = list[int]
 # --------------------------------------------------------------------------- builders
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
-def take_rows_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with the frontend's C loop and with its Python reference alone."""
-    if request.param == "python":
-        monkeypatch.setattr(output_processor_module, "_take_rows_native", None)
-    elif output_processor_module._take_rows_native is None:
-        pytest.skip("the C loop (engine/_take_rows_native.c) is not built here")
-    return request.param
+# Every test runs with the C loop, then with the Python loop alone.
+take_rows_loop = loop_fixture(output_processor_module, "_take_rows_native")
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from vllm_builders import EOS_TOKEN_ID, engine_core_request, sampling_params
 from vllm_sampling_mask.core import scheduler as scheduler_module
 from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, rows_mask
 from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
+from vllm_sampling_mask_testing.native_loops import loop_fixture
 
 MAX_MODEL_LEN = 64
 TOKEN_BUDGET = 16  # max_num_batched_tokens: prompts longer than this are chunked
@@ -47,14 +48,8 @@ Row = list[int]
 # --------------------------------------------------------------------------- builders
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
-def hand_out_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with the scheduler's C loop and with its Python reference."""
-    if request.param == "python":
-        monkeypatch.setattr(scheduler_module, "_hand_out_rows_native", None)
-    elif scheduler_module._hand_out_rows_native is None:
-        pytest.skip("the C loop (core/_hand_out_native.c) is not built here")
-    return request.param
+# Every test runs with the C loop, then with the Python loop alone.
+hand_out_loop = loop_fixture(scheduler_module, "_hand_out_rows_native")
 
 
 def _engine_config(model: str, **kwargs: object) -> VllmConfig:
