@@ -117,6 +117,17 @@ def test_a_row_outside_its_step_raises_instead_of_a_wrong_row(start: int, end: i
 
 
 @needs_native
+def test_batch_rows_and_offsets_may_be_any_integers() -> None:
+    """numpy integers read as Python's do (``__index__``), as the Python loop's indexing does."""
+    output = EngineCoreOutputWithMask("a", [1])
+    native([output], {"a": np.int64(1)}, {}, [np.int32(0), 4], [np.int64(4), 8], bytes(range(8)),
+           False)
+    assert output.sampling_mask == bytes(range(4, 8))
+    with pytest.raises(TypeError):
+        native([output], {"a": 0.0}, {}, [0], [4], bytes(4), False)
+
+
+@needs_native
 def test_a_batch_row_past_the_step_and_an_unknown_request_raise() -> None:
     with pytest.raises(IndexError, match="batch row 3 of a step with 1 rows"):
         native([EngineCoreOutputWithMask("a", [1])], {"a": 3}, {}, [0], [4], bytes(4), False)

@@ -25,7 +25,7 @@ int_at(PyObject *seq, Py_ssize_t r)
         return -1;
     }
     PyObject *item = PyTuple_Check(seq) ? PyTuple_GET_ITEM(seq, r) : PyList_GET_ITEM(seq, r);
-    return PyLong_AsSsize_t(item);
+    return PyNumber_AsSsize_t(item, PyExc_IndexError);
 }
 
 /* blob[start:end] as a new bytes object, or NULL (IndexError) where the row is not in blob. */
@@ -71,7 +71,7 @@ hand_out_one(PyObject *output, PyObject *index, PyObject *held, PyObject *starts
     Py_DECREF(request_id);
     if (rows == NULL && PyErr_Occurred())
         return -1;
-    Py_ssize_t r = PyLong_AsSsize_t(batch_row);
+    Py_ssize_t r = PyNumber_AsSsize_t(batch_row, PyExc_IndexError);
     if (r == -1 && PyErr_Occurred())
         return -1;
     Py_ssize_t start = int_at(starts, r);
