@@ -16,8 +16,9 @@
 #             ~/.cache/flashinfer for the next calls on the same machine), the two libraries
 #             left in $OUT for .vstage4 (below): the first call on a new machine without them
 #   verify    the MRV2 GPU tests (they JIT the top-k themselves if `jit` did not run: not
-#             beside `jit` in one call, whose compile they then wait for), the compaction and
-#             host unpack at top_k 50 and with every row wider than the width cap    (~5 min)
+#             beside `jit` in one call, whose compile they then wait for), the C loops' tests
+#             as built there, the compaction and host unpack at top_k 50 and with every row
+#             wider than the width cap                                               (~5 min)
 #   engine    stock / on interleaved, each engine in its own process, all pinned to the same
 #             5 CPUs (--pin 5), compiled, 8 rounds; the on engine also runs each round with
 #             every request opted out (--same-process-optout: on/on_optout without a
@@ -146,17 +147,20 @@ if [ -z "$small" ] && compgen -G ".vstage4/*.so.xz" > /dev/null; then
   echo "== flashinfer AOT modules installed from .vstage4: $(ls "$aot")"
 fi
 
-# The scheduler's loop in C (core/_hand_out_native.c), as setup.sh's install built it, into this
-# checkout: the tests import the package from here (tests_path), and the device's copy of the
-# working tree, like git, has no built files. Printed, so that each call says which loop ran.
+# The C loops (core/_hand_out_native.c, engine/_take_rows_native.c), as setup.sh's install built
+# them, into this checkout: the tests import the package from here (tests_path), and the device's
+# copy of the working tree, like git, has no built files. Printed, so that each call says which
+# loops ran.
 if [ -z "$small" ]; then
-  native=$(cd / && python3 -c "import glob, vllm_sampling_mask.core as c; \
-print(*glob.glob(c.__path__[0] + '/_hand_out_native*.so'))" 2>/dev/null)
-  if [ -n "$native" ]; then
-    cp $native vllm_sampling_mask/core/ && echo "== the scheduler's loop: C ($(basename $native))"
-  else
-    echo "== the scheduler's loop: Python (setup.sh's install built no _hand_out_native)"
-  fi
+  for module in core/_hand_out_native engine/_take_rows_native; do
+    native=$(cd / && python3 -c "import glob, vllm_sampling_mask as p; \
+print(*glob.glob(p.__path__[0] + '/$module*.so'))" 2>/dev/null)
+    if [ -n "$native" ]; then
+      cp $native "vllm_sampling_mask/$(dirname $module)/" && echo "== $module: C"
+    else
+      echo "== $module: not built by setup.sh's install (the Python loop runs)"
+    fi
+  done
 fi
 
 models=/root/models
@@ -200,9 +204,9 @@ case "${1:-}" in
     PYTHONPATH="$tests_path" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
       step gpu_tests 330 python3 -m pytest -q -s -m gpu tests/test_candidate_sampler.py \
       tests/test_compaction_kernel.py tests/test_gpu_engine.py
-    # the C loop against its Python reference, as built on this machine (no GPU needed)
-    PYTHONPATH="$tests_path" step hand_out_native 120 python3 -m pytest -q \
-      tests/test_hand_out_native.py
+    # the C loops against their Python references, as built on this machine (no GPU needed)
+    PYTHONPATH="$tests_path" step native_loops 120 python3 -m pytest -q \
+      tests/test_native_loops.py
     bench bench_compaction compaction 60 --batch-sizes 256,512 --vocab-sizes 151936 \
       --top-ks 50,4097 --unpack-reps 10
     ;;
