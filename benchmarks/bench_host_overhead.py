@@ -263,14 +263,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     def scheduler_step(sched: Any) -> Any:
         return update(sched, sched_output, runner_output)
 
-    def scheduler_step_python(sched: Any) -> Any:  # the C loop's Python reference instead
-        native = scheduler_module._hand_out_rows_native
-        scheduler_module._hand_out_rows_native = None
-        try:
-            return update(sched, sched_output, runner_output)
-        finally:
-            scheduler_module._hand_out_rows_native = native
+    def python_loop(module: Any, attr: str, run: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``run`` with ``module.attr``, a C loop, set aside: its Python reference runs."""
+        def run_python(state: Any) -> Any:
+            native = getattr(module, attr)
+            setattr(module, attr, None)
+            try:
+                return run(state)
+            finally:
+                setattr(module, attr, native)
+        return run_python
 
+    scheduler_step_python = python_loop(scheduler_module, "_hand_out_rows_native", scheduler_step)
     hand_out_loop = "python" if scheduler_module._hand_out_rows_native is None else "c"
     timed_together({
         "scheduler": (scheduler_step, scheduler_setup),
@@ -326,17 +330,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return Stub(sampling_mask_requests=set(request_ids), request_states=states,
                     sampling_mask_lockstep=set(request_ids), sampling_mask_calls=0)
 
-    def frontend_python(proc: Any) -> Any:  # the C loop's Python reference instead
-        native = output_processor_module._take_rows_native
-        output_processor_module._take_rows_native = None
-        try:
-            return process(proc, decoded.outputs)
-        finally:
-            output_processor_module._take_rows_native = native
+    def frontend_step(proc: Any) -> Any:
+        return process(proc, decoded.outputs)
 
+    frontend_python = python_loop(output_processor_module, "_take_rows_native", frontend_step)
     take_rows_loop = "python" if output_processor_module._take_rows_native is None else "c"
     timed_together({
-        "frontend": (lambda proc: process(proc, decoded.outputs), frontend_setup),
+        "frontend": (frontend_step, frontend_setup),
         # with the C loop built, its Python reference beside it (not in the totals)
         **({"frontend_python": (frontend_python, frontend_setup)} if take_rows_loop == "c"
            else {}),
