@@ -90,6 +90,7 @@ class RoundInputs:
         from vllm.v1.outputs import LogprobsLists
         from vllm.v1.serial_utils import MsgpackEncoder
 
+        from vllm_sampling_mask.core.scheduler import join_rows
         from vllm_sampling_mask.engine.transport import (
             EngineCoreOutputsWithMasks,
             EngineCoreOutputWithMask,
@@ -120,7 +121,7 @@ class RoundInputs:
                 if args.rows == "held":
                     held[r].append(row_bytes)
                     rows, sent = held[r], t in self.row_steps
-                    row_bytes = rows if sent else None
+                    row_bytes = join_rows(rows) if sent else None
                     if sent:
                         held[r] = []
                 stock.append(EngineCoreOutput(**fields))

@@ -65,7 +65,7 @@ def test_held_rows_leave_the_engine_core_mid_request(llm, monkeypatch) -> None:
 
     def counted(holder, state, output, row, to_abort) -> None:
         if row is not None:
-            pieces.append((len(row) if row.__class__ is list else 1, output.finished))
+            pieces.append((1 if row.__class__ is bytes else len(row), output.finished))
         take(holder, state, output, row, to_abort)
 
     monkeypatch.setattr(output_processor, "_take_held_output", counted)

@@ -25,10 +25,11 @@ from vllm.v1.engine import EngineCoreOutputs, FinishReason
 from vllm_sampling_mask.core import scheduler as scheduler_module
 from vllm_sampling_mask.engine import output_processor as output_processor_module
 from vllm_sampling_mask.engine.output_processor import COMPACT_ROWS, RequestMaskRows
-from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask
+from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, JoinedMaskRows
 from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
 
 native = scheduler_module._hand_out_rows_native
+join_native = scheduler_module._join_rows_native
 needs_native = pytest.mark.skipif(native is None, reason="core/_hand_out_native.c is not built")
 take_native = output_processor_module._take_rows_native
 needs_take_native = pytest.mark.skipif(take_native is None,
@@ -97,8 +98,8 @@ def test_the_random_steps_meet_every_branch(monkeypatch: pytest.MonkeyPatch) -> 
         rows, several, after, flush = hand_out(True, seed, monkeypatch)
         masks = dict(rows)
         seen |= {"flush"} if flush else set()
-        seen |= {"held sent" if isinstance(m, list) else "streamed" if isinstance(m, bytes)
-                 else "no row" for m in masks.values()}
+        seen |= {"held sent" if isinstance(m, JoinedMaskRows) else "streamed"
+                 if isinstance(m, bytes) else "no row" for m in masks.values()}
         seen |= {"several"} if several else set()
         seen |= {"held kept"} if any(after.values()) else set()
     assert seen == {"flush", "held sent", "streamed", "no row", "several", "held kept"}
@@ -132,6 +133,26 @@ def test_a_batch_row_past_the_step_and_an_unknown_request_raise() -> None:
         native([EngineCoreOutputWithMask("a", [1])], {"a": 3}, {}, [0], [4], bytes(4), False)
     with pytest.raises(KeyError, match="b"):
         native([EngineCoreOutputWithMask("b", [1])], {"a": 0}, {}, [0], [4], bytes(4), False)
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(10))
+def test_the_c_join_joins_what_the_python_join_does(seed: int) -> None:
+    """A held request's rows as sent: any count (none too), any width (empty rows too)."""
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(0, 1 << 31, int(rng.integers(0, 300))).astype("<i4").tobytes()
+            for _ in range(int(rng.integers(0, 70)))]
+    joined = JoinedMaskRows(*join_native(rows))
+    assert joined == scheduler_module._join_rows_python(rows)
+    assert joined.row_lengths().tolist() == [len(row) // 4 for row in rows]
+    assert joined.ids == b"".join(rows)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [(b"\0" * 4,), [bytearray(4)], [b"\0" * 4, None]])
+def test_the_c_join_takes_a_list_of_bytes_only(rows: object) -> None:
+    with pytest.raises(TypeError, match="rows must be a list of bytes"):
+        join_native(rows)
 
 
 @needs_native

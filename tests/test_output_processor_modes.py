@@ -24,9 +24,10 @@ from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollec
 from vllm.v1.engine.parallel_sampling import ParentRequest
 
 from vllm_builders import engine_core_output, engine_core_request, mask_row, sampling_params
+from vllm_sampling_mask.core.scheduler import join_rows
 from vllm_sampling_mask.engine import output_processor as output_processor_module
 from vllm_sampling_mask.engine.output_processor import enable_masks
-from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask
+from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, JoinedMaskRows
 from vllm_sampling_mask_testing.native_loops import loop_fixture
 from vllm_sampling_mask_testing.object_layout import attributes_in_a_dict_of_their_own
 
@@ -110,7 +111,7 @@ class FakeEngineCore:
             held += [row] if row is not None else []
             output.sampling_mask = None
             if (finish_reason is not None or len(held) >= self.held_rows) and held:
-                output.sampling_mask = [mask_row(r) for r in held]
+                output.sampling_mask = join_rows([mask_row(r) for r in held])
                 held.clear()
         return output
 
@@ -234,7 +235,7 @@ def test_a_held_request_finishing_with_a_row_short_fails_alone(
     engine.held.update(a=[], b=[])
     process(processor, engine.output("a", text_tokens[0:1]), engine.output("b", text_tokens[0:1]))
     short = engine.output("a", text_tokens[1:2], FinishReason.LENGTH)
-    short.sampling_mask = short.sampling_mask[:1]
+    short.sampling_mask = join_rows([mask_row(engine.sent_rows["a"][0])])
     result = processor.process_outputs(
         [short, engine.output("b", text_tokens[1:2], FinishReason.LENGTH)])
     by_id = {o.request_id: o.outputs[0] for o in result.request_outputs}
@@ -286,10 +287,30 @@ def test_final_only_request_holds_its_rows_in_blocks(
     assert "a" not in processor.request_states
 
 
+def test_a_held_request_whose_joined_rows_disagree_with_their_lengths_fails_alone(
+    tokenizer: TokenizerLike, text_tokens: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Joined rows whose lengths don't add up to their ids (a bug on the wire) would shift every
+    row after the first bad one: that request fails with no mask, the other one gets its rows."""
+    processor, engine = make_processor(tokenizer), FakeEngineCore()
+    add(processor, "a", FINAL_ONLY)
+    add(processor, "b", FINAL_ONLY)
+    engine.held.update(a=[], b=[])
+    process(processor, engine.output("a", text_tokens[0:1]), engine.output("b", text_tokens[0:1]))
+    bad = engine.output("a", text_tokens[1:2], FinishReason.LENGTH)
+    bad.sampling_mask = JoinedMaskRows(bad.sampling_mask.lengths, bad.sampling_mask.ids[:-4])
+    result = processor.process_outputs(
+        [bad, engine.output("b", text_tokens[1:2], FinishReason.LENGTH)])
+    by_id = {o.request_id: o.outputs[0] for o in result.request_outputs}
+    assert by_id["a"].finish_reason == "error" and by_id["a"].sampling_mask is None
+    assert "sampling mask of request a: its 2 joined rows hold" in caplog.text
+    assert by_id["b"].sampling_mask.token_ids == engine.sent_rows["b"]
+
+
 def test_final_only_rows_read_as_one_sequence() -> None:
     """A FINAL_ONLY holder's blocks and pending rows read as one sequence: the last n rows, as
     they are now or taken (which drops them all); the same for a held request's rows, which
-    come many at a time (joined into one block)."""
+    come many at a time, joined, each message's rows one block (delta varints too)."""
     from vllm_sampling_mask.engine.output_processor import COMPACT_ROWS, RequestMaskRows
 
     rows = [[i, 5000 + i] + list(range(6000, 6000 + i % 4)) for i in range(COMPACT_ROWS + 9)]
@@ -300,17 +321,15 @@ def test_final_only_rows_read_as_one_sequence() -> None:
     assert holder.snapshot_last(3).token_ids == rows[-3:]
     assert holder.take_last(len(rows) - 1).token_ids == rows[1:] and len(holder) == 0
 
-    held = RequestMaskRows(final_only=True, held=True)
-    held.extend([mask_row(row) for row in rows[:3]])
-    held.extend([mask_row(row) for row in rows[3:]])
-    assert len(held) == len(rows) and len(held.blocks) == 1 and held.pending == []
-    assert held.take_last(len(rows)).token_ids == rows and len(held) == 0
-    # The last rows (taken next) stay unjoined until then: one join of blocks and rows.
-    held.extend([mask_row(row) for row in rows[:COMPACT_ROWS]])
-    held.extend([mask_row(row) for row in rows[COMPACT_ROWS:]], compact=False)
-    assert len(held.blocks) == 1 and len(held.pending) == len(rows) - COMPACT_ROWS
-    assert held.snapshot_last(2).token_ids == rows[-2:]
-    assert held.take_last(len(rows)).token_ids == rows and len(held) == 0
+    for varint in (False, True):
+        held = RequestMaskRows(final_only=True, held=True, varint=varint)
+        held.append(mask_row(rows[0]))  # a row that came alone, before the joined ones
+        for part in (rows[1:4], rows[4:]):
+            joined = join_rows([mask_row(row) for row in part])
+            held.add_joined(joined.row_lengths(), joined.ids)
+        assert len(held) == len(rows) and len(held.blocks) == 3 and held.pending == []
+        assert held.snapshot_last(2).token_ids == rows[-2:]
+        assert held.take_last(len(rows)).token_ids == rows and len(held) == 0
     with pytest.raises(ValueError, match="FINAL_ONLY"):
         RequestMaskRows(streaming=True, held=True)
 

@@ -33,7 +33,12 @@ from vllm.utils.hashing import get_hash_fn_by_name
 
 from vllm_builders import EOS_TOKEN_ID, engine_core_request, sampling_params
 from vllm_sampling_mask.core import scheduler as scheduler_module
-from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, rows_mask
+from vllm_sampling_mask.engine.transport import (
+    EngineCoreOutputWithMask,
+    JoinedMaskRows,
+    rows_mask,
+)
+from vllm_sampling_mask.outputs import SamplingMask
 from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
 from vllm_sampling_mask_testing.native_loops import loop_fixture
 
@@ -49,7 +54,7 @@ Row = list[int]
 
 
 # Every test runs with the C loop, then with the Python loop alone.
-hand_out_loop = loop_fixture(scheduler_module, "_hand_out_rows_native")
+hand_out_loop = loop_fixture(scheduler_module, "_hand_out_rows_native", "_join_rows_native")
 
 
 def _engine_config(model: str, **kwargs: object) -> VllmConfig:
@@ -389,9 +394,10 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 def held_rows(output: EngineCoreOutput) -> list[Row]:
-    """The rows a held request's last output carries (a list of wire rows, one per token)."""
-    assert output.sampling_mask.__class__ is list
-    return rows_mask(output.sampling_mask).token_ids
+    """The rows a held request's output carries (joined: ``JoinedMaskRows``)."""
+    joined = output.sampling_mask
+    assert joined.__class__ is JoinedMaskRows
+    return SamplingMask.from_wire(joined.row_lengths(), joined.ids).token_ids
 
 
 def test_final_only_rows_are_held_until_the_last_output(configs: dict[bool, VllmConfig]) -> None:
@@ -664,7 +670,7 @@ def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig], vi
     """A ``None`` row (the worker's mark for a request that opted out of masks) gives that
     request's output no mask; the other request of the step keeps its row, as bytes also when
     the step's buffer is a view (rows expanded on the device), sent at once or held (then its
-    last output carries a list of its rows)."""
+    last output carries its rows joined)."""
     scheduler, scheduler_output, model_runner_output = two_request_step(configs[True], held)
     row = np.array([3, 11], dtype="<i4").tobytes()
     step = StepSamplingMasks.from_rows([row, None])
@@ -673,8 +679,11 @@ def test_rows_of_opted_out_requests_are_none(configs: dict[bool, VllmConfig], vi
     model_runner_output.sampling_masks = step
     outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
     by_id = {o.request_id: o for o in outputs[0].outputs}
-    rows = by_id["a"].sampling_mask if held else [by_id["a"].sampling_mask]
-    assert [type(r) for r in rows] == [bytes] and rows == [row]
+    sent = by_id["a"].sampling_mask
+    if held:
+        assert sent == JoinedMaskRows(np.array([2], dtype="<i4").tobytes(), row)
+        sent = sent.ids
+    assert type(sent) is bytes and sent == row
     assert by_id["a"].finish_reason is not None if held else by_id["a"].finish_reason is None
     assert by_id["b"].sampling_mask is None
 

@@ -9,16 +9,19 @@ take a prefix of them. Partial prefill chunks produce no tokens and so no rows; 
 opted out of masks have a ``None`` row and their outputs carry none.
 
 Rows of a request that ``config.rows_held_until_finish`` (FINAL_ONLY, no stop strings) are kept
-here, in ``Scheduler.sampling_mask_held``, and sent together (a list of rows) with its last
-output and every ``HELD_STEPS`` steps (so that no message carries a long rollout's rows at once),
-so the frontend does nothing for them on most steps; an aborted request's are dropped at the
-next step (``SchedulerOutput.finished_req_ids``).
+here, in ``Scheduler.sampling_mask_held``, and sent together (``JoinedMaskRows``: the rows
+joined, their lengths beside them) with its last output and every ``HELD_STEPS`` steps (so that
+no message carries a long rollout's rows at once), so the frontend does nothing for them on most
+steps and takes each message's rows as one block; an aborted request's are dropped at the next
+step (``SchedulerOutput.finished_req_ids``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
+from array import array
 from typing import TYPE_CHECKING, Any
 
 from vllm_sampling_mask.config import (
@@ -26,12 +29,18 @@ from vllm_sampling_mask.config import (
     request_wants_masks,
     rows_held_until_finish,
 )
-from vllm_sampling_mask.engine.transport import MASK_BUG_HINT, fail_output, outputs_carry_masks
+from vllm_sampling_mask.engine.transport import (
+    MASK_BUG_HINT,
+    JoinedMaskRows,
+    fail_output,
+    outputs_carry_masks,
+)
 
-try:  # the same loop as _hand_out_rows_python in C: an optional extension (setup.py)
+try:  # _hand_out_rows_python and _join_rows_python in C: an optional extension (setup.py)
     from vllm_sampling_mask.core._hand_out_native import hand_out_rows as _hand_out_rows_native
+    from vllm_sampling_mask.core._hand_out_native import join_rows as _join_rows_native
 except ImportError:  # installed without a C compiler
-    _hand_out_rows_native = None
+    _hand_out_rows_native = _join_rows_native = None
 
 if TYPE_CHECKING:
     from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
@@ -123,7 +132,8 @@ def wrap_update_from_output(original: Any) -> Any:
             self.finish_requests(output.request_id, RequestStatus.FINISHED_ERROR)
             fail_output(output)
             # A held request keeps the rows of its earlier tokens (this step's are dropped).
-            output.sampling_mask = held.pop(output.request_id, None) or None
+            rows = held.pop(output.request_id, None)
+            output.sampling_mask = join_rows(rows) if rows else None
         return outputs
 
     return update_from_output
@@ -225,13 +235,29 @@ def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
 
 
 def _send_held_rows(output: Any, held: dict[str, list[bytes]]) -> None:
-    """``output`` carries its held request's rows so far (a list, one per token); a request
-    that goes on starts a new list."""
+    """``output`` carries its held request's rows so far, joined; a request that goes on starts
+    a new list."""
     rows = held.pop(output.request_id, None)
     if rows is not None and output.finish_reason is None:
         held[output.request_id] = []
     if rows:
-        output.sampling_mask = rows
+        output.sampling_mask = join_rows(rows)
+
+
+def join_rows(rows: list[bytes]) -> JoinedMaskRows:
+    """A held request's rows (one bytes object per token) as the message sends them: one pass
+    in C where that is built (``_hand_out_native.join_rows``)."""
+    if _join_rows_native is None:
+        return _join_rows_python(rows)
+    return JoinedMaskRows(*_join_rows_native(rows))
+
+
+def _join_rows_python(rows: list[bytes]) -> JoinedMaskRows:
+    """``join_rows`` in Python: the reference of the C join."""
+    lengths = array("i", [len(row) >> 2 for row in rows])
+    if sys.byteorder == "big":
+        lengths.byteswap()
+    return JoinedMaskRows(lengths.tobytes(), b"".join(rows))
 
 
 def _step_problem(step: StepSamplingMasks | None, num_batch_rows: int) -> str | None:

@@ -33,7 +33,12 @@ import numpy as np
 from vllm_sampling_mask import patching
 from vllm_sampling_mask.compact_format import delta_varint_as_int32le, delta_varint_payload
 from vllm_sampling_mask.config import REQUEST_KEY, request_wants_masks, rows_held_until_finish
-from vllm_sampling_mask.engine.transport import MASK_BUG_HINT, fail_output, rows_mask
+from vllm_sampling_mask.engine.transport import (
+    MASK_BUG_HINT,
+    JoinedMaskRows,
+    fail_output,
+    rows_mask,
+)
 from vllm_sampling_mask.outputs import SamplingMask
 
 try:  # the common outputs of _take_rows_every_step_python in C: an optional extension (setup.py)
@@ -88,11 +93,12 @@ class RequestMaskRows:
     - DELTA (streamed): each output hands out the rows since the last, so ``pending`` keeps the
       rows' bytes objects as they arrived (no copy per step);
     - FINAL_ONLY (``LLM.generate``, non-streaming ``/inference/v1/generate``): the rows are
-      taken once, at the end (``take_last``). They arrive one a step (stop strings) or, where
-      the engine core holds them (``held``), every 64 steps and at the end; ``pending``
-      keeps them as they came and every ``COMPACT_ROWS`` or more of them are joined into one
-      block of ``blocks`` (their lengths in ``lengths``): ~4 bytes per kept id, and no buffer
-      that grows by a row a step (one per request, re-allocated and copied as it grows).
+      taken once, at the end (``take_last``). They arrive one a step (stop strings): ``pending``
+      keeps them as they came and every ``COMPACT_ROWS`` of them are joined into one block of
+      ``blocks`` (their lengths in ``lengths``): ~4 bytes per kept id, and no buffer that grows
+      by a row a step (one per request, re-allocated and copied as it grows). Where the engine
+      core holds them (``held``), they arrive every 64 steps and at the end, already joined
+      (``add_joined``): each message's rows are a block as they came.
       With ``varint`` each block is ``compact_format.delta_varint_payload`` of its rows
       instead (~2 bytes per id at top_k 50 over a 151,936-token vocabulary);
     - CUMULATIVE (other non-streaming outputs): one growing buffer of ids (``blob``) and one
@@ -131,27 +137,36 @@ class RequestMaskRows:
         if len(pending) >= COMPACT_ROWS and self.blocks is not None:
             self.compact()
 
-    def extend(self, rows: list[bytes], compact: bool = True) -> None:
-        """Add several tokens' wire rows (a speculative-decoding step; a held request's, every
-        64 steps and at the end). ``compact=False``: the request's last rows, taken next (one
-        join there, not two)."""
+    def extend(self, rows: list[bytes]) -> None:
+        """Add several tokens' wire rows (a speculative-decoding step)."""
         pending = self.pending
         if pending is None:
             for row in rows:
                 self.append(row)
             return
         pending.extend(rows)
-        if compact and len(pending) >= COMPACT_ROWS and self.blocks is not None:
+        if len(pending) >= COMPACT_ROWS and self.blocks is not None:
             self.compact()
+
+    def add_joined(self, lengths: array, ids: bytes) -> None:
+        """FINAL_ONLY: add several tokens' rows sent joined (``JoinedMaskRows``: a held
+        request's), ``lengths`` ids per row and ``ids`` their bytes, as one block."""
+        if self.pending:
+            self.compact()  # rows that came one by one before these
+        self._add_block(lengths, ids)
 
     def compact(self) -> None:
         """FINAL_ONLY: join the pending rows into one block (``varint``: encode them)."""
         pending = self.pending
-        lengths = [len(row) >> 2 for row in pending]
-        block = b"".join(pending)
+        self._add_block(array("i", [len(row) >> 2 for row in pending]), b"".join(pending))
+        pending.clear()
+
+    def _add_block(self, lengths: array, block: bytes) -> None:
+        """Append one block of rows (little-endian int32 ids) and their lengths; ``varint``:
+        encoded."""
         if self.varint:
             try:
-                block = delta_varint_payload(np.array(lengths, dtype=np.int64),
+                block = delta_varint_payload(np.asarray(lengths, dtype=np.int64),
                                              np.frombuffer(block, dtype="<i4"))
             except ValueError:
                 # Rows the encoding refuses (not ascending: a bug upstream) stay int32 bytes,
@@ -159,9 +174,8 @@ class RequestMaskRows:
                 self.varint = False
                 if self.blocks:
                     self.blocks = [delta_varint_as_int32le(self.lengths, b"".join(self.blocks))]
-        self.lengths.fromlist(lengths)  # not extend: its generic per-item path is slower
+        self.lengths += lengths
         self.blocks.append(block)
-        pending.clear()
 
     def drop(self) -> None:
         """Forget every row held (a request failed for a lost or an extra row)."""
@@ -385,7 +399,7 @@ def _take_rows_every_step_python(processor: Any, outputs: list[Any]) -> tuple[li
                 continue
         elif num_new == 0:
             continue
-        num_rows = 0 if row is None else len(row) if row.__class__ is list else 1
+        num_rows = 0 if row is None else 1 if row.__class__ is bytes else len(row)
         _fail(state, output, f"an output with {num_new} token(s) carries {num_rows} row(s)",
               to_abort)
     return to_abort, lockstep_seen
@@ -418,13 +432,19 @@ def _take_held_output(holder: RequestMaskRows, state: Any, output: Any, row: Any
                       to_abort: list[str]) -> None:
     """Add the rows a held request's output carries; at its finish, check that it has a row
     per token."""
-    finishing = output.finish_reason is not None
-    if row is not None:
-        if row.__class__ is list:
-            holder.extend(row, compact=not finishing)
-        else:  # one row: a step the engine core sent as it came
-            holder.append(row)
-    if not finishing:
+    if row.__class__ is JoinedMaskRows:
+        lengths = row.row_lengths()
+        if 4 * sum(lengths) != len(row.ids):
+            _fail(state, output, f"its {len(lengths)} joined rows hold {sum(lengths)} ids but "
+                  f"{len(row.ids)} bytes", to_abort)
+            holder.drop()  # its completion gets no mask
+            return
+        holder.add_joined(lengths, row.ids)
+    elif row.__class__ is list:
+        holder.extend(row)
+    elif row is not None:  # one row: a step the engine core sent as it came
+        holder.append(row)
+    if output.finish_reason is None:
         return
     num_tokens = state.detokenizer.num_output_tokens() + len(output.new_token_ids)
     if len(holder) != num_tokens:

@@ -13,9 +13,12 @@ drops the extra element, so the client's decoder is typed with ``EngineCoreOutpu
 from __future__ import annotations
 
 import functools
+import sys
+from array import array
 from contextlib import AbstractContextManager
 from typing import Any
 
+import msgspec
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
 from vllm_sampling_mask import patching
@@ -30,6 +33,33 @@ def rows_mask(rows: list[bytes]) -> SamplingMask:
     return SamplingMask.from_wire([len(row) >> 2 for row in rows], b"".join(rows))
 
 
+class JoinedMaskRows(msgspec.Struct, gc=False):  # type: ignore[call-arg]
+    """Several tokens' rows in two bytes objects: how the engine core sends a held request's rows
+    (every ``HELD_STEPS`` steps and with its last output), so that the frontend's decoder makes
+    two objects per request and message, not one per row, and keeps ``ids`` as the block it came
+    in.
+
+    lengths: ids per row, in token order, little-endian int32 (``4 * T`` bytes for ``T`` rows);
+    ids: the rows' kept ids, each row ascending, concatenated, little-endian int32
+    (``4 * sum(lengths)`` bytes). Encoded as a map: the field's union already has its one
+    array-like type (``list[bytes]``).
+    """
+
+    lengths: bytes
+    ids: bytes
+
+    def __len__(self) -> int:
+        return len(self.lengths) >> 2
+
+    def row_lengths(self) -> array:
+        """``lengths`` as an ``array("i")`` (ids per row)."""
+        lengths = array("i")
+        lengths.frombytes(self.lengths)
+        if sys.byteorder == "big":
+            lengths.byteswap()
+        return lengths
+
+
 class EngineCoreOutputWithMask(
     EngineCoreOutput, array_like=True, omit_defaults=True, gc=False  # type: ignore[call-arg]
 ):
@@ -37,12 +67,13 @@ class EngineCoreOutputWithMask(
 
     sampling_mask: a new token's kept ids, ascending, as little-endian int32 bytes (``4 * n``
     bytes for ``n`` ids); a list of such rows, one per token, when the output has several new
-    tokens (a speculative-decoding step); ``None`` for outputs without a new token or of a
-    request that opted out. msgpack tells the two apart by type (bin / array), so the
-    every-step case of one token costs no more than a row.
+    tokens (a speculative-decoding step); a held request's rows so far, ``JoinedMaskRows``;
+    ``None`` for outputs without a new token or of a request that opted out. msgpack tells the
+    three apart by type (bin / array / map), so the every-step case of one token costs no more
+    than a row.
     """
 
-    sampling_mask: bytes | list[bytes] | None = None
+    sampling_mask: bytes | list[bytes] | JoinedMaskRows | None = None
 
 
 class EngineCoreOutputsWithMasks(
