@@ -31,8 +31,10 @@ with top_k ``--top-k``, through the same code the engine runs, each hop timed se
 - ``*_held``           the same hops for FINAL_ONLY requests without stop strings, whose rows the
                        engine core holds (``LLM.generate``, non-streaming HTTP): a step that
                        sends no rows, and (``*_held_flush``) the step every ``HELD_STEPS`` that
-                       sends each request's rows so far; ``held_finish`` is the frontend taking
-                       them at the request's end (the rows checked, one ``SamplingMask`` built);
+                       sends each request's rows so far (one step each, in the middle and at the
+                       end of a period; ``bench_held_rows.py`` times whole periods);
+                       ``held_finish`` is the frontend taking them at the request's end (the
+                       rows checked, one ``SamplingMask`` built);
 - ``attach``           the ``RequestState._new_completion_output`` wrapper for every request,
                        DELTA (every step when streaming; once per request otherwise): a
                        ``SamplingMask`` over the step's bytes, not decoded;
@@ -254,9 +256,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     def scheduler_setup(held: bool = False, flush: bool = False) -> Any:
         # held: FINAL_ONLY requests, whose rows stay in the scheduler until their last output;
-        # flush: the step that sends them, each request holding HELD_STEPS - 1 rows before it
-        held_rows = {rid: [step.row_bytes(i)] * (HELD_STEPS - 1) if flush else []
-                     for i, rid in enumerate(request_ids)} if held else {}
+        # (scheduler.HeldRows: each request's buffers, made room for HELD_STEPS rows at its
+        # first), each request holding HELD_STEPS // 2 rows before the step; flush: the step that
+        # sends them, HELD_STEPS - 1 rows before it (bench_held_rows.py times whole periods).
+        earlier = HELD_STEPS - 1 if flush else HELD_STEPS // 2
+        held_rows = {
+            rid: [bytearray((len(row) >> 2).to_bytes(4, "little") * earlier),
+                  bytearray(row * earlier + bytes(len(row) * (HELD_STEPS - earlier))),
+                  len(row) * earlier]
+            for rid, row in zip(request_ids, map(step.row_bytes, range(R)) if held else ())}
         return Stub(sampling_mask_enabled=True, pending=scheduler_outputs(),
                     sampling_mask_held=held_rows, sampling_mask_steps=HELD_STEPS - 1 if flush else 0)
 
@@ -444,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "config": {"requests": R, "vocab": V, "top_k": K, "reps": args.reps,
                    "warmup": args.warmup, "rows": "all full (top_k ids each)",
                    "unpack_overflow_wide_row": min(V, 4 * K)},
-        "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "numpy": np.__version__, "msgspec": msgspec.__version__,
                     "pinned": pinned, "hand_out_loop": hand_out_loop,
                     "take_rows_loop": take_rows_loop},
@@ -534,7 +542,8 @@ def cuda_launch_timers(num_requests: int, vocab_size: int, top_k: int
     }
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name, for the reports."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

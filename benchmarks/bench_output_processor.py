@@ -90,10 +90,10 @@ class RoundInputs:
         from vllm.v1.outputs import LogprobsLists
         from vllm.v1.serial_utils import MsgpackEncoder
 
-        from vllm_sampling_mask.core.scheduler import join_rows
         from vllm_sampling_mask.engine.transport import (
             EngineCoreOutputsWithMasks,
             EngineCoreOutputWithMask,
+            JoinedMaskRows,
         )
 
         rng = np.random.default_rng(round_index)
@@ -121,7 +121,10 @@ class RoundInputs:
                 if args.rows == "held":
                     held[r].append(row_bytes)
                     rows, sent = held[r], t in self.row_steps
-                    row_bytes = join_rows(rows) if sent else None
+                    # sent as the scheduler sends held rows: the rows' lengths and ids, joined
+                    row_bytes = JoinedMaskRows(
+                        np.array([len(b) >> 2 for b in rows], dtype="<i4").tobytes(),
+                        b"".join(rows)) if sent else None
                     if sent:
                         held[r] = []
                 stock.append(EngineCoreOutput(**fields))

@@ -33,6 +33,21 @@ def test_host_overhead_smoke_run(subprocess_env: dict[str, str], tmp_path: Path)
     assert report["target_met"] is None and report["target_met_held"] is None
 
 
+@pytest.mark.parametrize("loop", ["c", "python"])
+def test_held_rows_smoke_run(subprocess_env: dict[str, str], tmp_path: Path, loop: str) -> None:
+    # The script checks that every held row reached the frontend's decoder.
+    out = tmp_path / "held_rows.json"
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "bench_held_rows.py"), "--small",
+                             "--loop", loop, "--out", str(out)], capture_output=True, text=True,
+                            env=subprocess_env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    report = json.loads(out.read_text())
+    assert len(report["period_ms_per_step"]) == 2
+    assert report["engine_core_ms_per_step"] > 0 and report["frontend_decode_send_ms"] > 0
+    if loop == "python":
+        assert report["machine"]["hand_out_loop"] == "python"
+
+
 def test_output_processor_smoke_run(subprocess_env: dict[str, str], tmp_path: Path) -> None:
     # vLLM's real OutputProcessor, both modes in lock step; the script checks every request
     # finished with all its tokens and, in `on` only, a mask row per token.

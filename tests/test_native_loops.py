@@ -29,7 +29,6 @@ from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, Joined
 from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
 
 native = scheduler_module._hand_out_rows_native
-join_native = scheduler_module._join_rows_native
 needs_native = pytest.mark.skipif(native is None, reason="core/_hand_out_native.c is not built")
 take_native = output_processor_module._take_rows_native
 needs_take_native = pytest.mark.skipif(take_native is None,
@@ -69,9 +68,17 @@ def random_step(seed: int, num_requests: int = 64):
         num_new = {"several": 3, "none": 0, "none_finish": 0, "held_none_finish": 0}.get(kind, 1)
         finish = FinishReason.STOP if kind.endswith("finish") else None
         outputs.append(EngineCoreOutputWithMask(rid, list(range(num_new)), finish_reason=finish))
-        if kind.startswith("held"):
-            held[rid] = [bytes([i]) * 4] * int(rng.integers(0, 3))
+        if kind.startswith("held"):  # some rows held already, some room left after them or not
+            earlier, room = int(rng.integers(0, 3)), int(rng.integers(0, 3)) * 4
+            held[rid] = [bytearray(earlier.to_bytes(4, "little") * earlier),
+                         bytearray(bytes([i]) * 4 * earlier + b"\xff" * room), 4 * earlier]
     return outputs, StepSamplingMasks.from_rows(rows), index, held, bool(rng.integers(0, 4) == 0)
+
+
+def rows_held(held: dict[str, list]) -> dict[str, tuple[bytes, bytes]]:
+    """The held table's rows: each request's lengths and ids up to its fill (the loops leave
+    their buffers with room of different sizes after them)."""
+    return {rid: (bytes(lengths), bytes(ids[:fill])) for rid, (lengths, ids, fill) in held.items()}
 
 
 def hand_out(loop_is_native: bool, seed: int, monkeypatch: pytest.MonkeyPatch):
@@ -80,7 +87,7 @@ def hand_out(loop_is_native: bool, seed: int, monkeypatch: pytest.MonkeyPatch):
     several = scheduler_module._hand_out_rows({0: EngineCoreOutputs(outputs=outputs)}, step,
                                               index, held, flush)
     return ([(o.request_id, o.sampling_mask) for o in outputs],
-            [o.request_id for o in several], held, flush)
+            [o.request_id for o in several], rows_held(held), flush)
 
 
 @needs_native
@@ -101,7 +108,7 @@ def test_the_random_steps_meet_every_branch(monkeypatch: pytest.MonkeyPatch) -> 
         seen |= {"held sent" if isinstance(m, JoinedMaskRows) else "streamed"
                  if isinstance(m, bytes) else "no row" for m in masks.values()}
         seen |= {"several"} if several else set()
-        seen |= {"held kept"} if any(after.values()) else set()
+        seen |= {"held kept"} if any(lengths for lengths, _ in after.values()) else set()
     assert seen == {"flush", "held sent", "streamed", "no row", "several", "held kept"}
 
 
@@ -110,10 +117,11 @@ def test_the_random_steps_meet_every_branch(monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_row_outside_its_step_raises_instead_of_a_wrong_row(start: int, end: int) -> None:
     """Python's slicing would clip a bad row silently; the C loop refuses it (a bug's sign)."""
     output = EngineCoreOutputWithMask("a", [1])
-    held = {"a": []} if start < 0 else {}  # a negative start is only "opted out" if not held
+    # a negative start is only "opted out" if not held
+    held = {"a": scheduler_module.no_held_rows()} if start < 0 else {}
     with pytest.raises(IndexError, match="outside the step"):
-        native([output], {"a": 0}, held, [start], [end], bytes(16), False)
-    assert output.sampling_mask is None and held.get("a", []) == []
+        native([output], {"a": 0}, held, [start], [end], bytes(16), False, 64)
+    assert output.sampling_mask is None and rows_held(held) == ({"a": (b"", b"")} if held else {})
 
 
 @needs_native
@@ -121,38 +129,18 @@ def test_batch_rows_and_offsets_may_be_any_integers() -> None:
     """numpy integers read as Python's do (``__index__``), as the Python loop's indexing does."""
     output = EngineCoreOutputWithMask("a", [1])
     native([output], {"a": np.int64(1)}, {}, [np.int32(0), 4], [np.int64(4), 8], bytes(range(8)),
-           False)
+           False, 64)
     assert output.sampling_mask == bytes(range(4, 8))
     with pytest.raises(TypeError):
-        native([output], {"a": 0.0}, {}, [0], [4], bytes(4), False)
+        native([output], {"a": 0.0}, {}, [0], [4], bytes(4), False, 64)
 
 
 @needs_native
 def test_a_batch_row_past_the_step_and_an_unknown_request_raise() -> None:
     with pytest.raises(IndexError, match="batch row 3 of a step with 1 rows"):
-        native([EngineCoreOutputWithMask("a", [1])], {"a": 3}, {}, [0], [4], bytes(4), False)
+        native([EngineCoreOutputWithMask("a", [1])], {"a": 3}, {}, [0], [4], bytes(4), False, 64)
     with pytest.raises(KeyError, match="b"):
-        native([EngineCoreOutputWithMask("b", [1])], {"a": 0}, {}, [0], [4], bytes(4), False)
-
-
-@needs_native
-@pytest.mark.parametrize("seed", range(10))
-def test_the_c_join_joins_what_the_python_join_does(seed: int) -> None:
-    """A held request's rows as sent: any count (none too), any width (empty rows too)."""
-    rng = np.random.default_rng(seed)
-    rows = [rng.integers(0, 1 << 31, int(rng.integers(0, 300))).astype("<i4").tobytes()
-            for _ in range(int(rng.integers(0, 70)))]
-    joined = JoinedMaskRows(*join_native(rows))
-    assert joined == scheduler_module._join_rows_python(rows)
-    assert joined.row_lengths().tolist() == [len(row) // 4 for row in rows]
-    assert joined.ids == b"".join(rows)
-
-
-@needs_native
-@pytest.mark.parametrize("rows", [(b"\0" * 4,), [bytearray(4)], [b"\0" * 4, None]])
-def test_the_c_join_takes_a_list_of_bytes_only(rows: object) -> None:
-    with pytest.raises(TypeError, match="rows must be a list of bytes"):
-        join_native(rows)
+        native([EngineCoreOutputWithMask("b", [1])], {"a": 0}, {}, [0], [4], bytes(4), False, 64)
 
 
 @needs_native
@@ -161,11 +149,47 @@ def test_the_c_loop_takes_only_the_types_it_was_written_for() -> None:
     with them anyway, the C loop raises TypeError rather than reading them as something else."""
     output = EngineCoreOutputWithMask("a", [1])
     with pytest.raises(TypeError):
-        native([output], {"a": 0}, {}, [0], [4], memoryview(bytes(4)), False)
+        native([output], {"a": 0}, {}, [0], [4], memoryview(bytes(4)), False, 64)
     with pytest.raises(TypeError):
         native([output], {"a": 0}, {}, np.zeros(1, dtype=np.int64), [4], bytes(4), False)
-    with pytest.raises(TypeError, match="must be a list"):
-        native([output], {"a": 0}, {"a": ()}, [0], [4], bytes(4), False)
+    for rows in [[], (bytearray(), bytearray(), 0), [bytearray(), bytearray()],
+                 [bytearray(), b"", 0], [bytearray(), bytearray(), 0.0]]:
+        with pytest.raises(TypeError, match="must be a .lengths, ids, fill. list"):
+            native([output], {"a": 0}, {"a": rows}, [0], [4], bytes(4), False, 64)
+    for fill in (-1, 1):
+        with pytest.raises(ValueError, match=f"fill {fill} outside its 0 bytes"):
+            native([output], {"a": 0}, {"a": [bytearray(), bytearray(), fill]}, [0], [4],
+                   bytes(4), False, 64)
+
+
+@needs_native
+def test_held_rows_fill_their_buffers_over_steps_as_in_python(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A held request's buffers fill over many steps (the C loop makes them room its own way,
+    rows wider than it made room for included) and go out, cut to their rows, on flush steps;
+    both loops send and keep the same rows, step after step."""
+    rng = np.random.default_rng(0)
+    request_ids = [f"req-{i}" for i in range(8)]
+    runs = {}
+    for loop in (native, None):
+        monkeypatch.setattr(scheduler_module, "_hand_out_rows_native", loop)
+        held = {rid: scheduler_module.no_held_rows() for rid in request_ids}
+        sent = []
+        for t in range(150):
+            rows = [rng.integers(0, 1 << 31, int(rng.integers(0, 300))).astype("<i4").tobytes()
+                    for _ in request_ids]
+            outputs = [EngineCoreOutputWithMask(rid, [t]) for rid in request_ids]
+            scheduler_module._hand_out_rows(
+                {0: EngineCoreOutputs(outputs=outputs)}, StepSamplingMasks.from_rows(rows),
+                {rid: i for i, rid in enumerate(request_ids)}, held, t % 64 == 63)
+            sent.append([o.sampling_mask for o in outputs])
+        runs[loop is None] = (sent, rows_held(held))
+        rng = np.random.default_rng(0)
+    assert runs[True] == runs[False]
+    sent, held = runs[True]
+    assert sum(m is not None for step in sent for m in step) == 2 * len(request_ids)
+    assert all(len(lengths) == 4 * (150 - 128) for lengths, _ in held.values())
+    assert all(len(m.ids) == 4 * sum(m.row_lengths()) for step in sent for m in step if m)
 
 
 # --------------------------------------------------------------------------- the frontend's

@@ -23,8 +23,13 @@ from vllm.v1.engine import EngineCoreRequest, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector, RequestState
 from vllm.v1.engine.parallel_sampling import ParentRequest
 
-from vllm_builders import engine_core_output, engine_core_request, mask_row, sampling_params
-from vllm_sampling_mask.core.scheduler import join_rows
+from vllm_builders import (
+    engine_core_output,
+    engine_core_request,
+    joined_mask_rows,
+    mask_row,
+    sampling_params,
+)
 from vllm_sampling_mask.engine import output_processor as output_processor_module
 from vllm_sampling_mask.engine.output_processor import enable_masks
 from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, JoinedMaskRows
@@ -111,7 +116,7 @@ class FakeEngineCore:
             held += [row] if row is not None else []
             output.sampling_mask = None
             if (finish_reason is not None or len(held) >= self.held_rows) and held:
-                output.sampling_mask = join_rows([mask_row(r) for r in held])
+                output.sampling_mask = joined_mask_rows(held)
                 held.clear()
         return output
 
@@ -235,7 +240,7 @@ def test_a_held_request_finishing_with_a_row_short_fails_alone(
     engine.held.update(a=[], b=[])
     process(processor, engine.output("a", text_tokens[0:1]), engine.output("b", text_tokens[0:1]))
     short = engine.output("a", text_tokens[1:2], FinishReason.LENGTH)
-    short.sampling_mask = join_rows([mask_row(engine.sent_rows["a"][0])])
+    short.sampling_mask = joined_mask_rows(engine.sent_rows["a"][:1])
     result = processor.process_outputs(
         [short, engine.output("b", text_tokens[1:2], FinishReason.LENGTH)])
     by_id = {o.request_id: o.outputs[0] for o in result.request_outputs}
@@ -325,7 +330,7 @@ def test_final_only_rows_read_as_one_sequence() -> None:
         held = RequestMaskRows(final_only=True, held=True, varint=varint)
         held.append(mask_row(rows[0]))  # a row that came alone, before the joined ones
         for part in (rows[1:4], rows[4:]):
-            joined = join_rows([mask_row(row) for row in part])
+            joined = joined_mask_rows(part)
             held.add_joined(joined.row_lengths(), joined.ids)
         assert len(held) == len(rows) and len(held.blocks) == 3 and held.pending == []
         assert held.snapshot_last(2).token_ids == rows[-2:]

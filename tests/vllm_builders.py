@@ -14,7 +14,7 @@ import numpy as np
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreRequest, FinishReason
 
-from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask
+from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, JoinedMaskRows
 
 EOS_TOKEN_ID = 0
 """The tiny model's ``<|endoftext|>`` id (its config's ``eos_token_id``)."""
@@ -60,6 +60,12 @@ def engine_core_request(
 def mask_row(row: Sequence[int]) -> bytes:
     """The wire form of one token's row, as the scheduler builds it."""
     return np.asarray(row, dtype="<i4").tobytes()
+
+
+def joined_mask_rows(rows: Sequence[Sequence[int]]) -> JoinedMaskRows:
+    """The wire form of a held request's rows, as the scheduler sends them."""
+    lengths = np.array([len(row) for row in rows], dtype="<i4").tobytes()
+    return JoinedMaskRows(lengths, b"".join(mask_row(row) for row in rows))
 
 
 def engine_core_output(

@@ -2,16 +2,13 @@
  *
  * `hand_out_rows` does what `vllm_sampling_mask.core.scheduler._hand_out_rows_python` does for
  * every output of one step: the Python loop is the reference, this is the same loop without the
- * interpreter (its bytecode, not its objects: every row is still one bytes object). Both are
- * compared on the same steps by tests/test_scheduler_slicing.py. Built where a C compiler and
- * Python's headers are found (an optional extension, setup.py); without it the scheduler runs
- * the Python loop.
+ * interpreter (its bytecode, not its objects: every streamed row is still one bytes object, every
+ * held row is written into its request's buffers). Both are compared on the same steps by
+ * tests/test_native_loops.py. Built where a C compiler and Python's headers are found (an
+ * optional extension, setup.py); without it the scheduler runs the Python loop.
  *
  * Every index and offset is checked: a step whose rows don't fit its blob raises instead of
  * handing out a wrong row.
- *
- * `join_rows` joins a held request's rows for the message that sends them (JoinedMaskRows), in
- * one pass: the lengths without a Python int per row.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -43,6 +40,64 @@ row_of(PyObject *blob, Py_ssize_t start, Py_ssize_t end)
     return PyBytes_FromStringAndSize(PyBytes_AS_STRING(blob) + start, end - start);
 }
 
+/* Append blob[start:end] as a held row to rows, a held request's [lengths, ids, fill] list:
+ * its id count (little-endian int32) to the bytearray lengths, its bytes at ids[fill:], fill
+ * then moved past them. ids is its request's buffer for a whole send period: where it is too
+ * short it grows to room for reserve_rows rows like this one (or twice what it needs), so that a
+ * request's buffer is allocated about once a period, not every few rows as appending to a
+ * bytearray would (each growth a copy of the rows so far). */
+static int
+hold_row(PyObject *rows, PyObject *blob, Py_ssize_t start, Py_ssize_t end, Py_ssize_t reserve_rows)
+{
+    PyObject *lengths, *ids, *fill_obj;
+    if (!PyList_CheckExact(rows) || PyList_GET_SIZE(rows) != 3
+        || !PyByteArray_CheckExact(lengths = PyList_GET_ITEM(rows, 0))
+        || !PyByteArray_CheckExact(ids = PyList_GET_ITEM(rows, 1))
+        || !PyLong_CheckExact(fill_obj = PyList_GET_ITEM(rows, 2))) {
+        PyErr_SetString(PyExc_TypeError, "a held request's rows must be a [lengths, ids, fill] "
+                                         "list of two bytearrays and an int");
+        return -1;
+    }
+    Py_ssize_t fill = PyLong_AsSsize_t(fill_obj);
+    if (fill == -1 && PyErr_Occurred())
+        return -1;
+    if (fill < 0 || fill > PyByteArray_GET_SIZE(ids)) {
+        PyErr_Format(PyExc_ValueError, "a held request's fill %zd outside its %zd bytes", fill,
+                     PyByteArray_GET_SIZE(ids));
+        return -1;
+    }
+    if (start < 0 || end < start || end > PyBytes_GET_SIZE(blob)) {
+        PyErr_Format(PyExc_IndexError, "row [%zd, %zd) outside the step's %zd bytes", start, end,
+                     PyBytes_GET_SIZE(blob));
+        return -1;
+    }
+    Py_ssize_t n = end - start, count = n >> 2;
+    if (count > 0x7fffffff) {
+        PyErr_SetString(PyExc_OverflowError, "a row of more than 2**31 - 1 ids");
+        return -1;
+    }
+    if (fill + n > PyByteArray_GET_SIZE(ids)) {
+        Py_ssize_t room = reserve_rows * n > 2 * (fill + n) ? reserve_rows * n : 2 * (fill + n);
+        if (PyByteArray_Resize(ids, room) < 0)
+            return -1;
+    }
+    PyObject *new_fill = PyLong_FromSsize_t(fill + n);
+    Py_ssize_t num_lengths = PyByteArray_GET_SIZE(lengths);
+    if (new_fill == NULL || PyByteArray_Resize(lengths, num_lengths + 4) < 0) {
+        Py_XDECREF(new_fill);
+        return -1;
+    }
+    unsigned char *length = (unsigned char *)PyByteArray_AS_STRING(lengths) + num_lengths;
+    length[0] = count & 0xff; /* little-endian whatever the host's order */
+    length[1] = (count >> 8) & 0xff;
+    length[2] = (count >> 16) & 0xff;
+    length[3] = (count >> 24) & 0xff;
+    memcpy(PyByteArray_AS_STRING(ids) + fill, PyBytes_AS_STRING(blob) + start, n);
+    PyList_SET_ITEM(rows, 2, new_fill);
+    Py_DECREF(fill_obj);
+    return 0;
+}
+
 /* 1 if output.finish_reason is not None, 0 if it is, -1 on error. */
 static int
 has_finished(PyObject *output)
@@ -58,7 +113,7 @@ has_finished(PyObject *output)
 /* The rows of one output with one new token; 0, or -1 on error. */
 static int
 hand_out_one(PyObject *output, PyObject *index, PyObject *held, PyObject *starts,
-             PyObject *ends, PyObject *blob, int flush, PyObject *send)
+             PyObject *ends, PyObject *blob, int flush, Py_ssize_t reserve_rows, PyObject *send)
 {
     PyObject *request_id = PyObject_GetAttr(output, str_request_id);
     if (request_id == NULL)
@@ -85,22 +140,15 @@ hand_out_one(PyObject *output, PyObject *index, PyObject *held, PyObject *starts
     Py_ssize_t end = int_at(ends, r);
     if (end == -1 && PyErr_Occurred())
         return -1;
-    PyObject *row = row_of(blob, start, end);
-    if (row == NULL)
-        return -1;
     if (rows == NULL) {
+        PyObject *row = row_of(blob, start, end);
+        if (row == NULL)
+            return -1;
         int failed = PyObject_SetAttr(output, str_sampling_mask, row);
         Py_DECREF(row);
         return failed;
     }
-    if (!PyList_Check(rows)) {
-        Py_DECREF(row);
-        PyErr_SetString(PyExc_TypeError, "a held request's rows must be a list");
-        return -1;
-    }
-    int failed = PyList_Append(rows, row);
-    Py_DECREF(row);
-    if (failed)
+    if (hold_row(rows, blob, start, end, reserve_rows) < 0)
         return -1;
     int finished = flush ? 1 : has_finished(output);
     if (finished <= 0)
@@ -109,11 +157,14 @@ hand_out_one(PyObject *output, PyObject *index, PyObject *held, PyObject *starts
 }
 
 PyDoc_STRVAR(hand_out_rows_doc,
-"hand_out_rows(outputs, index, held, starts, ends, blob, flush) -> (several, send)\n\n"
+"hand_out_rows(outputs, index, held, starts, ends, blob, flush, reserve_rows)\n"
+"    -> (several, send)\n\n"
 "For every output (a list of EngineCoreOutputWithMask) with one new token: set its\n"
 "sampling_mask to its row, blob[starts[r]:ends[r]] (r = index[request_id]; no row where\n"
-"starts[r] < 0: opted out), or, for a request in held (request id -> list of rows), append\n"
-"the row there. starts: tuple or list of int, ends: list of int, blob: bytes.\n"
+"starts[r] < 0: opted out), or, for a request in held (request id -> [lengths, ids, fill]),\n"
+"append the row's id count (int32 little-endian) to lengths and write its bytes at\n"
+"ids[fill:], growing ids to room for reserve_rows such rows where it is short.\n"
+"starts: tuple or list of int, ends: list of int, blob: bytes.\n"
 "several: the outputs with more than one new token; send: the held requests' outputs that\n"
 "carry their rows now (flush, or a finish), in order, for _send_held_rows.");
 
@@ -122,9 +173,10 @@ hand_out_rows(PyObject *self, PyObject *args)
 {
     PyObject *outputs, *index, *held, *starts, *ends, *blob;
     int flush;
-    if (!PyArg_ParseTuple(args, "O!O!O!OO!O!p:hand_out_rows", &PyList_Type, &outputs,
+    Py_ssize_t reserve_rows;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!O!pn:hand_out_rows", &PyList_Type, &outputs,
                           &PyDict_Type, &index, &PyDict_Type, &held, &starts, &PyList_Type,
-                          &ends, &PyBytes_Type, &blob, &flush))
+                          &ends, &PyBytes_Type, &blob, &flush, &reserve_rows))
         return NULL;
     if (!PyTuple_Check(starts) && !PyList_Check(starts)) {
         PyErr_SetString(PyExc_TypeError, "starts must be a tuple or a list");
@@ -147,7 +199,8 @@ hand_out_rows(PyObject *self, PyObject *args)
         }
         int failed = num_new < 0;
         if (num_new == 1) {
-            failed = hand_out_one(output, index, held, starts, ends, blob, flush, send) < 0;
+            failed = hand_out_one(output, index, held, starts, ends, blob, flush, reserve_rows,
+                                  send) < 0;
         } else if (num_new > 1) {
             failed = PyList_Append(several, output) < 0;
         } else if (num_new == 0 && any_held) {
@@ -168,65 +221,14 @@ fail:
     return NULL;
 }
 
-PyDoc_STRVAR(join_rows_doc,
-"join_rows(rows) -> (lengths, ids)\n\n"
-"A held request's rows (a list of bytes, each a row's little-endian int32 ids) as the two\n"
-"fields of JoinedMaskRows: lengths, len(row) >> 2 of every row as little-endian int32 bytes,\n"
-"and ids, the rows concatenated. The scheduler's _join_rows_python is the reference.");
-
-static PyObject *
-join_rows(PyObject *self, PyObject *rows)
-{
-    if (!PyList_Check(rows)) {
-        PyErr_SetString(PyExc_TypeError, "rows must be a list of bytes");
-        return NULL;
-    }
-    Py_ssize_t num_rows = PyList_GET_SIZE(rows), total = 0;
-    for (Py_ssize_t i = 0; i < num_rows; i++) {
-        PyObject *row = PyList_GET_ITEM(rows, i);
-        if (!PyBytes_Check(row)) {
-            PyErr_SetString(PyExc_TypeError, "rows must be a list of bytes");
-            return NULL;
-        }
-        if ((PyBytes_GET_SIZE(row) >> 2) > 0x7fffffff) {
-            PyErr_SetString(PyExc_OverflowError, "a row of more than 2**31 - 1 ids");
-            return NULL;
-        }
-        total += PyBytes_GET_SIZE(row);
-    }
-    PyObject *lengths = PyBytes_FromStringAndSize(NULL, 4 * num_rows);
-    PyObject *ids = lengths == NULL ? NULL : PyBytes_FromStringAndSize(NULL, total);
-    if (ids == NULL) {
-        Py_XDECREF(lengths);
-        return NULL;
-    }
-    unsigned char *length = (unsigned char *)PyBytes_AS_STRING(lengths);
-    char *out = PyBytes_AS_STRING(ids);
-    /* Nothing above ran Python code: the list still holds the rows it was checked with. */
-    for (Py_ssize_t i = 0; i < num_rows; i++, length += 4) {
-        PyObject *row = PyList_GET_ITEM(rows, i);
-        Py_ssize_t size = PyBytes_GET_SIZE(row);
-        unsigned long count = (unsigned long)(size >> 2);
-        length[0] = count & 0xff; /* little-endian whatever the host's order */
-        length[1] = (count >> 8) & 0xff;
-        length[2] = (count >> 16) & 0xff;
-        length[3] = (count >> 24) & 0xff;
-        memcpy(out, PyBytes_AS_STRING(row), size);
-        out += size;
-    }
-    return Py_BuildValue("(NN)", lengths, ids);
-}
-
 static PyMethodDef methods[] = {
     {"hand_out_rows", hand_out_rows, METH_VARARGS, hand_out_rows_doc},
-    {"join_rows", join_rows, METH_O, join_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_hand_out_native",
-    "The scheduler's row hand-out and held-row join in C (see _hand_out_native.c).", -1,
-    methods,
+    "The scheduler's row hand-out in C (see _hand_out_native.c).", -1, methods,
 };
 
 PyMODINIT_FUNC

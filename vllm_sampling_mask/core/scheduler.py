@@ -9,19 +9,18 @@ take a prefix of them. Partial prefill chunks produce no tokens and so no rows; 
 opted out of masks have a ``None`` row and their outputs carry none.
 
 Rows of a request that ``config.rows_held_until_finish`` (FINAL_ONLY, no stop strings) are kept
-here, in ``Scheduler.sampling_mask_held``, and sent together (``JoinedMaskRows``: the rows
-joined, their lengths beside them) with its last output and every ``HELD_STEPS`` steps (so that
-no message carries a long rollout's rows at once), so the frontend does nothing for them on most
-steps and takes each message's rows as one block; an aborted request's are dropped at the next
-step (``SchedulerOutput.finished_req_ids``).
+here, in ``Scheduler.sampling_mask_held``, each request's written into one buffer of ids and one
+of lengths (``HeldRows``), and sent together (``JoinedMaskRows``: those two buffers) with its
+last output and every ``HELD_STEPS`` steps (so that no message carries a long rollout's rows at
+once), so the frontend does nothing for them on most steps and takes each message's rows as one
+block; an aborted request's are dropped at the next step (``SchedulerOutput.finished_req_ids``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import sys
-from array import array
+import struct
 from typing import TYPE_CHECKING, Any
 
 from vllm_sampling_mask.config import (
@@ -36,11 +35,10 @@ from vllm_sampling_mask.engine.transport import (
     outputs_carry_masks,
 )
 
-try:  # _hand_out_rows_python and _join_rows_python in C: an optional extension (setup.py)
+try:  # the same loop as _hand_out_rows_python in C: an optional extension (setup.py)
     from vllm_sampling_mask.core._hand_out_native import hand_out_rows as _hand_out_rows_native
-    from vllm_sampling_mask.core._hand_out_native import join_rows as _join_rows_native
 except ImportError:  # installed without a C compiler
-    _hand_out_rows_native = _join_rows_native = None
+    _hand_out_rows_native = None
 
 if TYPE_CHECKING:
     from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
@@ -49,12 +47,26 @@ logger = logging.getLogger("vllm_sampling_mask")
 
 
 _HELD_ATTR = "sampling_mask_held"
+HeldRows = list  # [lengths: bytearray, ids: bytearray, fill: int]
+"""A held request's rows since its last send, ``JoinedMaskRows``'s two fields as they fill:
+``[lengths, ids, fill]``, each row's id count (little-endian int32) appended to ``lengths`` and
+its ids written at ``ids[fill:]`` (``fill`` then moved past them), in token order; ``ids`` is a
+buffer for the whole period, longer than ``fill`` (the C loop makes it room for ``HELD_STEPS``
+rows at once) and cut to ``fill`` when sent. One buffer each, not a bytes object per row: a held
+row costs one copy, and a send no join (the message is these buffers), where appending to a
+growing buffer would copy a request's rows again every few steps."""
+_ROW_LENGTH = struct.Struct("<i")
 _STEPS_ATTR = "sampling_mask_steps"
 HELD_STEPS = 64
 """Held rows go out every this many steps (<= 64 rows a request, ~13 KB at top_k 50; more under
-speculative decoding), and with each request's last output. The frontend joins (or encodes:
-``RequestMaskRows.varint``) them as they come, so that little is left for a request's end,
-where requests of equal length all end in the same step."""
+speculative decoding), and with each request's last output. The frontend keeps (or encodes:
+``RequestMaskRows.varint``) each message's rows as a block as they come, so that little is left
+for a request's end, where requests of equal length all end in the same step."""
+
+
+def no_held_rows() -> HeldRows:
+    """A held request's entry before its first row, and after each send."""
+    return [bytearray(), bytearray(), 0]
 
 
 def wrap_init(original: Any) -> Any:
@@ -84,7 +96,7 @@ def wrap_add_request(original: Any) -> Any:
         params = request.sampling_params
         if (held is not None and params is not None and request_wants_masks(params)
                 and rows_held_until_finish(params, request.resumable)):
-            held.setdefault(request.request_id, [])
+            held.setdefault(request.request_id, no_held_rows())
 
     return add_request
 
@@ -132,20 +144,19 @@ def wrap_update_from_output(original: Any) -> Any:
             self.finish_requests(output.request_id, RequestStatus.FINISHED_ERROR)
             fail_output(output)
             # A held request keeps the rows of its earlier tokens (this step's are dropped).
-            rows = held.pop(output.request_id, None)
-            output.sampling_mask = join_rows(rows) if rows else None
+            output.sampling_mask = _joined(held.pop(output.request_id, None))
         return outputs
 
     return update_from_output
 
 
 def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict[str, int],
-                   held: dict[str, list[bytes]], flush: bool) -> list[Any]:
+                   held: dict[str, HeldRows], flush: bool) -> list[Any]:
     """Set ``sampling_mask`` of every output with one new token to its row's bytes (``None``
-    for a request that opted out), or add the row to its request's ``held`` rows, which its
+    for a request that opted out), or append the row to its request's ``held`` rows, which its
     last output carries, and every output of a ``flush`` step: the hot loop of a mask engine's
-    engine core, one pass and one bytes object per output. Returns the outputs with several
-    tokens (a bug: one row each).
+    engine core, one pass, one bytes object per streamed row and one copy per held one. Returns
+    the outputs with several tokens (a bug: one row each).
 
     The loop runs in C (``_hand_out_native``: the same work without the interpreter) where it
     is built and the rows are one bytes object (not expanded on the device: a ``memoryview``)."""
@@ -156,7 +167,7 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict
     several: list[Any] = []
     for engine_core_outputs in outputs.values():
         more, send = native(engine_core_outputs.outputs, index, held, step.starts, step.ends,
-                            step.blob, flush)
+                            step.blob, flush, HELD_STEPS)
         several += more
         for output in send:
             _send_held_rows(output, held)
@@ -164,13 +175,15 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict
 
 
 def _hand_out_rows_python(outputs: dict[int, Any], step: StepSamplingMasks,
-                          index: dict[str, int], held: dict[str, list[bytes]],
+                          index: dict[str, int], held: dict[str, HeldRows],
                           flush: bool) -> list[Any]:
     """``_hand_out_rows`` in Python: the reference of the C loop, and the loop where that is not
     built or the rows were expanded on the device."""
     blob, starts, ends = step.blob, step.starts, step.ends
     sliced_from_view = blob.__class__ is not bytes  # rows expanded on the device
+    view = memoryview(blob)  # held rows are copied from it, not sliced into bytes first
     held_rows_of = held.get  # bound once: the loop runs per output
+    pack_length = _ROW_LENGTH.pack
     several: list[Any] = []
     for engine_core_outputs in outputs.values():
         for output in engine_core_outputs.outputs:
@@ -183,8 +196,11 @@ def _hand_out_rows_python(outputs: dict[int, Any], step: StepSamplingMasks,
                     # Held requests want masks (the sampler's and this table's test is the same
                     # ``request_wants_masks``), so their rows are never opted-out ones: no
                     # ``starts[r] < 0`` check for them.
-                    rows.append(bytes(blob[starts[r] : ends[r]]) if sliced_from_view
-                                else blob[starts[r] : ends[r]])
+                    start, end = starts[r], ends[r]
+                    fill = rows[2]
+                    rows[0] += pack_length((end - start) >> 2)
+                    rows[1][fill : fill + end - start] = view[start:end]
+                    rows[2] = fill + end - start
                     if flush or output.finish_reason is not None:
                         _send_held_rows(output, held)
                     continue
@@ -201,12 +217,13 @@ def _hand_out_rows_python(outputs: dict[int, Any], step: StepSamplingMasks,
 
 
 def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
-                         index: dict[str, int], held: dict[str, list[bytes]],
+                         index: dict[str, int], held: dict[str, HeldRows],
                          flush: bool) -> list[Any]:
     """``_hand_out_rows`` for a speculative-decoding step: an output with ``n`` new tokens gets
     the first ``n`` rows of its request's group (``n`` > 1: a list of the rows' bytes), or adds
     them to its ``held`` rows. Returns the outputs with more tokens than rows."""
     blob, starts, ends, groups = step.blob, step.starts, step.ends, step.groups
+    view = memoryview(blob)  # held rows are copied from it
     too_many: list[Any] = []
     for engine_core_outputs in outputs.values():
         for output in engine_core_outputs.outputs:
@@ -223,41 +240,42 @@ def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
             if starts[first] < 0:
                 output.sampling_mask = None
                 continue
-            rows = [bytes(blob[starts[j] : ends[j]]) for j in range(first, first + num_new)]
             earlier = held.get(output.request_id)
             if earlier is None:
+                rows = [bytes(blob[starts[j] : ends[j]]) for j in range(first, first + num_new)]
                 output.sampling_mask = rows[0] if num_new == 1 else rows
-            else:
-                earlier += rows
-                if flush or output.finish_reason is not None:
-                    _send_held_rows(output, held)
+                continue
+            lengths, ids, fill = earlier
+            for j in range(first, first + num_new):
+                start, end = starts[j], ends[j]
+                lengths += _ROW_LENGTH.pack((end - start) >> 2)
+                ids[fill : fill + end - start] = view[start:end]
+                fill += end - start
+            earlier[2] = fill
+            if flush or output.finish_reason is not None:
+                _send_held_rows(output, held)
     return too_many
 
 
-def _send_held_rows(output: Any, held: dict[str, list[bytes]]) -> None:
-    """``output`` carries its held request's rows so far, joined; a request that goes on starts
-    a new list."""
+def _send_held_rows(output: Any, held: dict[str, HeldRows]) -> None:
+    """``output`` carries its held request's rows so far; a request that goes on starts new
+    buffers (the message keeps the old ones)."""
     rows = held.pop(output.request_id, None)
     if rows is not None and output.finish_reason is None:
-        held[output.request_id] = []
-    if rows:
-        output.sampling_mask = join_rows(rows)
+        held[output.request_id] = no_held_rows()
+    joined = _joined(rows)
+    if joined is not None:
+        output.sampling_mask = joined
 
 
-def join_rows(rows: list[bytes]) -> JoinedMaskRows:
-    """A held request's rows (one bytes object per token) as the message sends them: one pass
-    in C where that is built (``_hand_out_native.join_rows``)."""
-    if _join_rows_native is None:
-        return _join_rows_python(rows)
-    return JoinedMaskRows(*_join_rows_native(rows))
-
-
-def _join_rows_python(rows: list[bytes]) -> JoinedMaskRows:
-    """``join_rows`` in Python: the reference of the C join."""
-    lengths = array("i", [len(row) >> 2 for row in rows])
-    if sys.byteorder == "big":
-        lengths.byteswap()
-    return JoinedMaskRows(lengths.tobytes(), b"".join(rows))
+def _joined(rows: HeldRows | None) -> JoinedMaskRows | None:
+    """The message part of a held request's rows, its buffer cut to them (``None``: it holds
+    none)."""
+    if rows is None or not rows[0]:
+        return None
+    lengths, ids, fill = rows
+    del ids[fill:]
+    return JoinedMaskRows(lengths, ids)
 
 
 def _step_problem(step: StepSamplingMasks | None, num_batch_rows: int) -> str | None:

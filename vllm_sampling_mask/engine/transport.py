@@ -34,14 +34,16 @@ def rows_mask(rows: list[bytes]) -> SamplingMask:
 
 
 class JoinedMaskRows(msgspec.Struct, gc=False):  # type: ignore[call-arg]
-    """Several tokens' rows in two bytes objects: how the engine core sends a held request's rows
+    """Several tokens' rows in two buffers: how the engine core sends a held request's rows
     (every ``HELD_STEPS`` steps and with its last output), so that the frontend's decoder makes
     two objects per request and message, not one per row, and keeps ``ids`` as the block it came
     in.
 
     lengths: ids per row, in token order, little-endian int32 (``4 * T`` bytes for ``T`` rows);
     ids: the rows' kept ids, each row ascending, concatenated, little-endian int32
-    (``4 * sum(lengths)`` bytes). Encoded as a map: the field's union already has its one
+    (``4 * sum(lengths)`` bytes). In the engine core both are the ``bytearray``s the scheduler
+    appended the rows to (``core.scheduler.HeldRows``); msgpack writes them as ``bin`` and the
+    frontend decodes ``bytes``. Encoded as a map: the field's union already has its one
     array-like type (``list[bytes]``).
     """
 
