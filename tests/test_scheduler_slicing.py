@@ -598,6 +598,27 @@ def test_a_speculative_step_gives_each_output_a_prefix_of_its_row_group(
     assert_failed_alone(outputs, scheduler, "d")
 
 
+def test_a_held_requests_speculative_rows_go_into_its_buffers(
+    configs: dict[bool, VllmConfig]
+) -> None:
+    """A held (FINAL_ONLY) request in speculative steps: each step's accepted prefix of its row
+    group is held, in order, and its last output carries every row, joined."""
+    scheduler = build_scheduler(configs[True])
+    add_request(scheduler, "a", 5, max_tokens=3, output_kind=FINAL_ONLY)
+    sent = []
+    for tokens, rows in (([11, 12], [[11, 1], [12], [13, 9]]), ([13], [[2, 13], [14]])):
+        scheduler_output = scheduler.schedule()
+        model_runner_output = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0},
+                                                sampled_token_ids=[tokens])
+        step = StepSamplingMasks.from_rows([np.asarray(row, dtype="<i4").tobytes()
+                                            for row in rows])
+        step.groups = [0, len(rows)]
+        model_runner_output.sampling_masks = step
+        sent.append(update(scheduler, scheduler_output, model_runner_output)["a"])
+    assert sent[0].sampling_mask is None and sent[1].finish_reason is not None
+    assert held_rows(sent[1]) == [[11, 1], [12], [2, 13]]
+
+
 def _script_scenario(scheduler: Scheduler, runner: FakeRunner) -> Iterator[Outputs]:
     """EOS, a stop token, chunked prefill and an abort, step by step."""
     add_request(scheduler, "a", 5, max_tokens=10)
