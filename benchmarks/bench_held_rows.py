@@ -59,7 +59,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--evict-mb", type=int, default=16,
                         help="Memory written between two steps, untimed (0: none).")
     parser.add_argument("--loop", choices=["c", "python"], default="c",
-                        help="The scheduler's hand-out: its C loop (where built) or the Python one.")
+                        help="The scheduler's hand-out: its C loop (where built) or Python's.")
     return fill_size_defaults(parser.parse_args(argv), SMALL_SIZE, FULL_SIZE)
 
 

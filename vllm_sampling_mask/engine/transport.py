@@ -43,8 +43,8 @@ class JoinedMaskRows(msgspec.Struct, gc=False):  # type: ignore[call-arg]
     ids: the rows' kept ids, each row ascending, concatenated, little-endian int32
     (``4 * sum(lengths)`` bytes). In the engine core both are the ``bytearray``s the scheduler
     wrote the rows into (``core.scheduler.HeldRows``, ``ids`` cut to them); msgpack writes them
-    as ``bin`` and the frontend decodes ``bytes``. Encoded as a map: the field's union already has its one
-    array-like type (``list[bytes]``).
+    as ``bin`` and the frontend decodes ``bytes``. Encoded as a map: the field's union already
+    has its one array-like type (``list[bytes]``).
     """
 
     lengths: bytes
