@@ -33,11 +33,10 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from bench_host_overhead import cpu_name  # benchmarks/, the script's own directory
-from size_defaults import fill_size_defaults
+from size_defaults import add_step_size_options, fill_size_defaults
 
 SMALL_SIZE = {"requests": 16, "vocab": 4096, "top_k": 50, "periods": 2}
 FULL_SIZE = {"requests": 512, "vocab": 151936, "top_k": 50, "periods": 20}
@@ -48,11 +47,7 @@ take longer than the steps timed)."""
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--small", action="store_true", help=f"Small sizes {SMALL_SIZE}.")
-    parser.add_argument("--out", type=Path, help="Write the results as JSON here.")
-    parser.add_argument("--requests", type=int, help=f"R (default {FULL_SIZE['requests']}).")
-    parser.add_argument("--vocab", type=int, help=f"V (default {FULL_SIZE['vocab']}).")
-    parser.add_argument("--top-k", type=int, help=f"Ids per row (default {FULL_SIZE['top_k']}).")
+    add_step_size_options(parser, SMALL_SIZE, FULL_SIZE)
     parser.add_argument("--periods", type=int,
                         help=f"Timed periods of HELD_STEPS steps (default {FULL_SIZE['periods']}).")
     parser.add_argument("--warmup-periods", type=int, default=2)

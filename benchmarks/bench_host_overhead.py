@@ -71,7 +71,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from size_defaults import fill_size_defaults  # benchmarks/, the script's own directory
+from size_defaults import (  # benchmarks/, the script's own directory
+    add_step_size_options,
+    fill_size_defaults,
+)
 
 FULL_SIZE = dict(requests=512, vocab=151936, top_k=50, reps=200)
 SMALL_SIZE = dict(requests=16, vocab=4096, top_k=50, reps=20)
@@ -91,11 +94,7 @@ class Stub(SimpleNamespace):
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--small", action="store_true", help=f"Small sizes {SMALL_SIZE}.")
-    parser.add_argument("--out", type=Path, help="Write the results as JSON here.")
-    parser.add_argument("--requests", type=int, help=f"R (default {FULL_SIZE['requests']}).")
-    parser.add_argument("--vocab", type=int, help=f"V (default {FULL_SIZE['vocab']}).")
-    parser.add_argument("--top-k", type=int, help=f"Ids per row (default {FULL_SIZE['top_k']}).")
+    add_step_size_options(parser, SMALL_SIZE, FULL_SIZE)
     parser.add_argument("--reps", type=int,
                         help=f"Timed repetitions (default {FULL_SIZE['reps']}).")
     parser.add_argument("--warmup", type=int, default=10)

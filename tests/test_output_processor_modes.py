@@ -9,7 +9,7 @@ token ``i`` of request ``k`` carries a recognisable row (the token plus ids from
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from copy import copy
 from dataclasses import dataclass, field
 
@@ -229,27 +229,6 @@ def test_held_rows_come_with_the_last_output(
     assert processor.__dict__["sampling_mask_lockstep"] == {"s"}
 
 
-def test_a_held_request_finishing_with_a_row_short_fails_alone(
-    tokenizer: TokenizerLike, text_tokens: list[int], caplog: pytest.LogCaptureFixture
-) -> None:
-    """A held request's last output with fewer rows than its tokens (a bug): that request
-    finishes with vLLM's per-request error and no mask; the other one gets its rows."""
-    processor, engine = make_processor(tokenizer), FakeEngineCore()
-    add(processor, "a", FINAL_ONLY)
-    add(processor, "b", FINAL_ONLY)
-    engine.held.update(a=[], b=[])
-    process(processor, engine.output("a", text_tokens[0:1]), engine.output("b", text_tokens[0:1]))
-    short = engine.output("a", text_tokens[1:2], FinishReason.LENGTH)
-    short.sampling_mask = joined_mask_rows(engine.sent_rows["a"][:1])
-    result = processor.process_outputs(
-        [short, engine.output("b", text_tokens[1:2], FinishReason.LENGTH)])
-    by_id = {o.request_id: o.outputs[0] for o in result.request_outputs}
-    assert by_id["a"].finish_reason == "error" and by_id["a"].sampling_mask is None
-    assert "sampling mask of request a: it finished after 2 token(s) with 1 row(s)" in caplog.text
-    assert by_id["b"].sampling_mask.token_ids == engine.sent_rows["b"]
-    assert result.reqs_to_abort == []  # finished in the engine core already
-
-
 def test_final_only_request_holds_its_rows_in_blocks(
     tokenizer: TokenizerLike, text_tokens: list[int]
 ) -> None:
@@ -292,24 +271,33 @@ def test_final_only_request_holds_its_rows_in_blocks(
     assert "a" not in processor.request_states
 
 
-def test_a_held_request_whose_joined_rows_disagree_with_their_lengths_fails_alone(
-    tokenizer: TokenizerLike, text_tokens: list[int], caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("broken, logged", [
+    (lambda engine, sent: joined_mask_rows(engine.sent_rows["a"][:1]),
+     "it finished after 2 token(s) with 1 row(s)"),
+    (lambda engine, sent: JoinedMaskRows(sent.lengths, sent.ids[:-4]), "its 2 joined rows hold"),
+], ids=["a_row_short", "lengths_disagree_with_ids"])
+def test_a_held_request_whose_last_rows_are_broken_fails_alone(
+    tokenizer: TokenizerLike, text_tokens: list[int], caplog: pytest.LogCaptureFixture,
+    broken: Callable[[FakeEngineCore, JoinedMaskRows], JoinedMaskRows], logged: str,
 ) -> None:
-    """Joined rows whose lengths don't add up to their ids (a bug on the wire) would shift every
-    row after the first bad one: that request fails with no mask, the other one gets its rows."""
+    """A held request's last output with fewer rows than its tokens, or with joined rows whose
+    lengths don't add up to their ids (which would shift every row after the first bad one): a
+    bug. That request finishes with vLLM's per-request error and no mask; the other one gets its
+    rows."""
     processor, engine = make_processor(tokenizer), FakeEngineCore()
     add(processor, "a", FINAL_ONLY)
     add(processor, "b", FINAL_ONLY)
     engine.held.update(a=[], b=[])
     process(processor, engine.output("a", text_tokens[0:1]), engine.output("b", text_tokens[0:1]))
-    bad = engine.output("a", text_tokens[1:2], FinishReason.LENGTH)
-    bad.sampling_mask = JoinedMaskRows(bad.sampling_mask.lengths, bad.sampling_mask.ids[:-4])
+    last = engine.output("a", text_tokens[1:2], FinishReason.LENGTH)
+    last.sampling_mask = broken(engine, last.sampling_mask)
     result = processor.process_outputs(
-        [bad, engine.output("b", text_tokens[1:2], FinishReason.LENGTH)])
+        [last, engine.output("b", text_tokens[1:2], FinishReason.LENGTH)])
     by_id = {o.request_id: o.outputs[0] for o in result.request_outputs}
     assert by_id["a"].finish_reason == "error" and by_id["a"].sampling_mask is None
-    assert "sampling mask of request a: its 2 joined rows hold" in caplog.text
+    assert f"sampling mask of request a: {logged}" in caplog.text
     assert by_id["b"].sampling_mask.token_ids == engine.sent_rows["b"]
+    assert result.reqs_to_abort == []  # finished in the engine core already
 
 
 def test_final_only_rows_read_as_one_sequence() -> None:

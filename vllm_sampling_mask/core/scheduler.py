@@ -183,7 +183,6 @@ def _hand_out_rows_python(outputs: dict[int, Any], step: StepSamplingMasks,
     sliced_from_view = blob.__class__ is not bytes  # rows expanded on the device
     view = memoryview(blob)  # held rows are copied from it, not sliced into bytes first
     held_rows_of = held.get  # bound once: the loop runs per output
-    pack_length = _ROW_LENGTH.pack
     several: list[Any] = []
     for engine_core_outputs in outputs.values():
         for output in engine_core_outputs.outputs:
@@ -196,11 +195,7 @@ def _hand_out_rows_python(outputs: dict[int, Any], step: StepSamplingMasks,
                     # Held requests want masks (the sampler's and this table's test is the same
                     # ``request_wants_masks``), so their rows are never opted-out ones: no
                     # ``starts[r] < 0`` check for them.
-                    start, end = starts[r], ends[r]
-                    fill = rows[2]
-                    rows[0] += pack_length((end - start) >> 2)
-                    rows[1][fill : fill + end - start] = view[start:end]
-                    rows[2] = fill + end - start
+                    _hold_row(rows, view, starts[r], ends[r])
                     if flush or output.finish_reason is not None:
                         _send_held_rows(output, held)
                     continue
@@ -245,16 +240,20 @@ def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
                 rows = [bytes(blob[starts[j] : ends[j]]) for j in range(first, first + num_new)]
                 output.sampling_mask = rows[0] if num_new == 1 else rows
                 continue
-            lengths, ids, fill = earlier
             for j in range(first, first + num_new):
-                start, end = starts[j], ends[j]
-                lengths += _ROW_LENGTH.pack((end - start) >> 2)
-                ids[fill : fill + end - start] = view[start:end]
-                fill += end - start
-            earlier[2] = fill
+                _hold_row(earlier, view, starts[j], ends[j])
             if flush or output.finish_reason is not None:
                 _send_held_rows(output, held)
     return too_many
+
+
+def _hold_row(rows: HeldRows, view: memoryview, start: int, end: int) -> None:
+    """Write the row ``view[start:end]`` into a held request's buffers (the C loop's
+    ``hold_row``, which also makes ``ids`` room for a period's rows at once)."""
+    lengths, ids, fill = rows
+    lengths += _ROW_LENGTH.pack((end - start) >> 2)
+    ids[fill : fill + end - start] = view[start:end]
+    rows[2] = fill + end - start
 
 
 def _send_held_rows(output: Any, held: dict[str, HeldRows]) -> None:
