@@ -143,6 +143,42 @@ def test_a_batch_row_past_the_step_and_an_unknown_request_raise() -> None:
         native([EngineCoreOutputWithMask("b", [1])], {"a": 0}, {}, [0], [4], bytes(4), False, 64)
 
 
+class RenamedOutput(EngineCoreOutputWithMask):
+    """An output type whose attribute lookup is not its slots': read by attribute."""
+
+    def __getattribute__(self, name: str):
+        value = super().__getattribute__(name)
+        return "b" if name == "request_id" else value
+
+
+@needs_native
+def test_outputs_of_other_types_are_read_by_attribute_and_unset_fields_raise() -> None:
+    """The C loop reads msgspec's slots at their offsets, found per output type: outputs of
+    other types between them (no slots, or their own attribute lookup) are read by attribute,
+    and a slot left unset raises AttributeError as reading the attribute does."""
+    blob = bytes(range(12))
+    outputs = [EngineCoreOutputWithMask("a", [1]),
+               SimpleNamespace(request_id="b", new_token_ids=[1], finish_reason=None,
+                               sampling_mask=None),
+               RenamedOutput("a", [1]),
+               EngineCoreOutputWithMask("c", [1], finish_reason=FinishReason.STOP)]
+    held = {"c": scheduler_module.no_held_rows()}
+    several, send = native(outputs, {"a": 0, "b": 1, "c": 2}, held, [0, 4, 8], [4, 8, 12], blob,
+                           False, 64)
+    assert [o.sampling_mask for o in outputs[:3]] == [blob[:4], blob[4:8], blob[4:8]]
+    assert several == [] and send == [outputs[3]] and bytes(held["c"][1][:4]) == blob[8:]
+    for name in ("request_id", "new_token_ids"):
+        output = EngineCoreOutputWithMask("a", [1])
+        delattr(output, name)
+        with pytest.raises(AttributeError, match=name):
+            native([output], {"a": 0}, {}, [0], [4], blob, False, 64)
+    output = EngineCoreOutputWithMask("a", [1])
+    del output.finish_reason  # read for a held output only
+    with pytest.raises(AttributeError, match="finish_reason"):
+        native([output], {"a": 0}, {"a": scheduler_module.no_held_rows()}, [0], [4], blob,
+               False, 64)
+
+
 @needs_native
 def test_the_c_loop_takes_only_the_types_it_was_written_for() -> None:
     """Other row containers go to the Python loop (``_hand_out_rows`` checks first); called
