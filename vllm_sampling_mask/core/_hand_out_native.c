@@ -12,64 +12,13 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h> /* T_OBJECT_EX */
+#include "../_slot_fields.h"
 
 static PyObject *str_sampling_mask;
 
-/* Where an output type keeps the three fields the loop reads. msgspec stores a Struct's fields in
- * object slots (member descriptors): they are read at their offsets, as the descriptors read them,
- * instead of through PyObject_GetAttr's lookup and call (three reads an output, about half of a
- * held output's work). Found once per output type; a type whose fields are not all object slots,
- * or that overrides attribute lookup, is read through PyObject_GetAttr. */
-enum { NEW_TOKEN_IDS, REQUEST_ID, FINISH_REASON, NUM_FIELDS };
-static PyObject *field_names[NUM_FIELDS];
-
-static struct {
-    PyTypeObject *type; /* strong reference; NULL before the first output */
-    int direct;         /* 1: read at offset[] */
-    Py_ssize_t offset[NUM_FIELDS];
-} fields_of;
-
-/* The offset of name's object slot in type, or -1 where it is not one (no exception left set). */
-static Py_ssize_t
-slot_offset(PyTypeObject *type, PyObject *name)
-{
-    PyObject *descr = PyObject_GetAttr((PyObject *)type, name);
-    if (descr == NULL) {
-        PyErr_Clear(); /* read through PyObject_GetAttr, which raises where it should */
-        return -1;
-    }
-    Py_ssize_t offset = -1;
-    if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
-        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-        if (member->type == T_OBJECT_EX)
-            offset = member->offset;
-    }
-    Py_DECREF(descr);
-    return offset;
-}
-
-/* output.<field_names[which]> (a new reference, or NULL with an exception set). */
-static PyObject *
-field(PyObject *output, int which)
-{
-    PyTypeObject *type = Py_TYPE(output);
-    if (type != fields_of.type) {
-        Py_INCREF(type);
-        Py_XSETREF(fields_of.type, type);
-        fields_of.direct = type->tp_getattro == PyObject_GenericGetAttr;
-        for (int i = 0; i < NUM_FIELDS; i++)
-            fields_of.direct &= (fields_of.offset[i] = slot_offset(type, field_names[i])) >= 0;
-    }
-    if (!fields_of.direct)
-        return PyObject_GetAttr(output, field_names[which]);
-    PyObject *value = *(PyObject **)((char *)output + fields_of.offset[which]);
-    if (value == NULL) { /* an unset slot, as the descriptor reports it */
-        PyErr_SetObject(PyExc_AttributeError, field_names[which]);
-        return NULL;
-    }
-    return Py_NewRef(value);
-}
+/* The fields the loop reads of every output, at their slot offsets (EngineCoreOutput: msgspec). */
+enum { NEW_TOKEN_IDS, REQUEST_ID, FINISH_REASON };
+static SlotFields output_fields;
 
 /* The int at position r of a tuple or list of ints (-1 with an exception set on error). */
 static Py_ssize_t
@@ -158,7 +107,7 @@ hold_row(PyObject *rows, PyObject *blob, Py_ssize_t start, Py_ssize_t end, Py_ss
 static int
 has_finished(PyObject *output)
 {
-    PyObject *reason = field(output, FINISH_REASON);
+    PyObject *reason = slot_field(&output_fields, output, FINISH_REASON);
     if (reason == NULL)
         return -1;
     int finished = reason != Py_None;
@@ -171,7 +120,7 @@ static int
 hand_out_one(PyObject *output, PyObject *index, PyObject *held, PyObject *starts,
              PyObject *ends, PyObject *blob, int flush, Py_ssize_t reserve_rows, PyObject *send)
 {
-    PyObject *request_id = field(output, REQUEST_ID);
+    PyObject *request_id = slot_field(&output_fields, output, REQUEST_ID);
     if (request_id == NULL)
         return -1;
     PyObject *batch_row = PyDict_GetItemWithError(index, request_id); /* borrowed */
@@ -247,7 +196,7 @@ hand_out_rows(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outputs); i++) {
         PyObject *output = PyList_GET_ITEM(outputs, i);
         Py_INCREF(output);
-        PyObject *new_token_ids = field(output, NEW_TOKEN_IDS);
+        PyObject *new_token_ids = slot_field(&output_fields, output, NEW_TOKEN_IDS);
         Py_ssize_t num_new = -1;
         if (new_token_ids != NULL) {
             num_new = PyObject_Length(new_token_ids);
@@ -290,12 +239,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__hand_out_native(void)
 {
-    field_names[NEW_TOKEN_IDS] = PyUnicode_InternFromString("new_token_ids");
-    field_names[REQUEST_ID] = PyUnicode_InternFromString("request_id");
-    field_names[FINISH_REASON] = PyUnicode_InternFromString("finish_reason");
-    str_sampling_mask = PyUnicode_InternFromString("sampling_mask");
-    if (!field_names[NEW_TOKEN_IDS] || !field_names[REQUEST_ID] || !field_names[FINISH_REASON]
-        || !str_sampling_mask)
+    static const char *const output_field_names[] = {"new_token_ids", "request_id",
+                                                     "finish_reason", NULL};
+    if (slot_fields_init(&output_fields, output_field_names) < 0
+        || (str_sampling_mask = PyUnicode_InternFromString("sampling_mask")) == NULL)
         return NULL;
     return PyModule_Create(&module);
 }

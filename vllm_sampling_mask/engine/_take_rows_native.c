@@ -4,8 +4,9 @@
  * `take_rows_every_step` does, for the common outputs, what
  * `vllm_sampling_mask.engine.output_processor._take_rows_every_step_python` does for every
  * output, without the interpreter, and hands every other output back for that Python loop: a
- * held request's output with rows or a finish, several rows, a missing or an extra row. tests/test_output_processor_native.py compares the two. Built where a
- * C compiler and Python's headers are found (an optional extension, setup.py).
+ * held request's output with rows or a finish, several rows, a missing or an extra row.
+ * tests/test_native_loops.py compares the two. Built where a C compiler and Python's headers are
+ * found (an optional extension, setup.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -14,8 +15,16 @@
 #define PyObject_GetOptionalAttr _PyObject_LookupAttr
 #endif
 
-static PyObject *str_request_id, *str_sampling_mask, *str_new_token_ids, *str_finish_reason,
-    *str_held, *str_pending, *str_blocks, *str_compact, *str_blob, *str_lengths, *str_append;
+#include "../_slot_fields.h"
+
+static PyObject *str_compact, *str_blob, *str_lengths, *str_append;
+
+/* The fields the loop reads at their slot offsets: of every output (EngineCoreOutput: msgspec)
+ * and of its request's row list (RequestMaskRows: __slots__). */
+enum { REQUEST_ID, SAMPLING_MASK, FINISH_REASON, NEW_TOKEN_IDS };
+static SlotFields output_fields;
+enum { HELD, PENDING, BLOCKS };
+static SlotFields rows_fields;
 
 /* holder.blob += row; holder.lengths.append(len(row) >> 2): 1, or -1 on error. */
 static int
@@ -52,7 +61,7 @@ static int
 take_one(PyObject *output, PyObject *states, PyObject *rows_attr, Py_ssize_t compact_rows,
          int *lockstep)
 {
-    PyObject *request_id = PyObject_GetAttr(output, str_request_id);
+    PyObject *request_id = slot_field(&output_fields, output, REQUEST_ID);
     if (request_id == NULL)
         return -1;
     PyObject *state = PyDict_GetItemWithError(states, request_id); /* borrowed */
@@ -66,19 +75,19 @@ take_one(PyObject *output, PyObject *states, PyObject *rows_attr, Py_ssize_t com
         return 1; /* a request without a row list */
     int result = -1;
     PyObject *row = NULL, *new_token_ids = NULL, *pending = NULL;
-    PyObject *held = PyObject_GetAttr(holder, str_held);
+    PyObject *held = slot_field(&rows_fields, holder, HELD);
     if (held == NULL)
         goto done;
     int is_held = PyObject_IsTrue(held);
     Py_DECREF(held);
-    if (is_held < 0 || (row = PyObject_GetAttr(output, str_sampling_mask)) == NULL)
+    if (is_held < 0 || (row = slot_field(&output_fields, output, SAMPLING_MASK)) == NULL)
         goto done;
     if (is_held) {
         if (row != Py_None) {
             result = 0;
             goto done;
         }
-        PyObject *reason = PyObject_GetAttr(output, str_finish_reason);
+        PyObject *reason = slot_field(&output_fields, output, FINISH_REASON);
         if (reason == NULL)
             goto done;
         result = reason == Py_None; /* a finish: the Python loop checks its row count */
@@ -86,7 +95,7 @@ take_one(PyObject *output, PyObject *states, PyObject *rows_attr, Py_ssize_t com
         goto done;
     }
     *lockstep = 1;
-    if ((new_token_ids = PyObject_GetAttr(output, str_new_token_ids)) == NULL)
+    if ((new_token_ids = slot_field(&output_fields, output, NEW_TOKEN_IDS)) == NULL)
         goto done;
     Py_ssize_t num_new = PyObject_Length(new_token_ids);
     if (num_new < 0)
@@ -99,7 +108,7 @@ take_one(PyObject *output, PyObject *states, PyObject *rows_attr, Py_ssize_t com
         result = 0;
         goto done;
     }
-    if ((pending = PyObject_GetAttr(holder, str_pending)) == NULL)
+    if ((pending = slot_field(&rows_fields, holder, PENDING)) == NULL)
         goto done;
     if (pending == Py_None) { /* CUMULATIVE: RequestMaskRows.append's first branch */
         result = append_to_blob(holder, row);
@@ -113,7 +122,7 @@ take_one(PyObject *output, PyObject *states, PyObject *rows_attr, Py_ssize_t com
         goto done;
     result = 1;
     if (PyList_GET_SIZE(pending) >= compact_rows) {
-        PyObject *blocks = PyObject_GetAttr(holder, str_blocks);
+        PyObject *blocks = slot_field(&rows_fields, holder, BLOCKS);
         if (blocks == NULL) {
             result = -1;
             goto done;
@@ -182,20 +191,15 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__take_rows_native(void)
 {
-    str_request_id = PyUnicode_InternFromString("request_id");
-    str_sampling_mask = PyUnicode_InternFromString("sampling_mask");
-    str_new_token_ids = PyUnicode_InternFromString("new_token_ids");
-    str_finish_reason = PyUnicode_InternFromString("finish_reason");
-    str_held = PyUnicode_InternFromString("held");
-    str_pending = PyUnicode_InternFromString("pending");
-    str_blocks = PyUnicode_InternFromString("blocks");
-    str_compact = PyUnicode_InternFromString("compact");
-    str_blob = PyUnicode_InternFromString("blob");
-    str_lengths = PyUnicode_InternFromString("lengths");
-    str_append = PyUnicode_InternFromString("append");
-    if (!str_request_id || !str_sampling_mask || !str_new_token_ids || !str_finish_reason
-        || !str_held || !str_pending || !str_blocks || !str_compact || !str_blob || !str_lengths
-        || !str_append)
+    static const char *const output_field_names[] = {"request_id", "sampling_mask",
+                                                     "finish_reason", "new_token_ids", NULL};
+    static const char *const rows_field_names[] = {"held", "pending", "blocks", NULL};
+    if (slot_fields_init(&output_fields, output_field_names) < 0
+        || slot_fields_init(&rows_fields, rows_field_names) < 0
+        || (str_compact = PyUnicode_InternFromString("compact")) == NULL
+        || (str_blob = PyUnicode_InternFromString("blob")) == NULL
+        || (str_lengths = PyUnicode_InternFromString("lengths")) == NULL
+        || (str_append = PyUnicode_InternFromString("append")) == NULL)
         return NULL;
     return PyModule_Create(&module);
 }
