@@ -143,6 +143,20 @@ def test_a_batch_row_past_the_step_and_an_unknown_request_raise() -> None:
         native([EngineCoreOutputWithMask("b", [1])], {"a": 0}, {}, [0], [4], bytes(4), False, 64)
 
 
+@needs_native
+def test_held_rows_before_a_failing_output_are_written() -> None:
+    """The C loop makes a held row's room during its pass and writes the bytes after it (all of
+    a step's destinations prefetched at once); an output that fails the pass leaves the rows
+    before it held, written, as their buffers' lengths and fill say."""
+    blob = bytes(range(16))
+    held = {rid: scheduler_module.no_held_rows() for rid in ("a", "b")}
+    outputs = [EngineCoreOutputWithMask(rid, [1]) for rid in ("a", "b", "unknown")]
+    with pytest.raises(KeyError, match="unknown"):
+        native(outputs, {"a": 0, "b": 1}, held, [0, 4], [4, 12], blob, False, 64)
+    assert rows_held(held) == {"a": (bytes([1, 0, 0, 0]), blob[:4]),
+                               "b": (bytes([2, 0, 0, 0]), blob[4:12])}
+
+
 class RenamedOutput(EngineCoreOutputWithMask):
     """An output type whose attribute lookup is not its slots': read by attribute."""
 

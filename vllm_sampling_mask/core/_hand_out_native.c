@@ -45,14 +45,31 @@ row_of(PyObject *blob, Py_ssize_t start, Py_ssize_t end)
     return PyBytes_FromStringAndSize(PyBytes_AS_STRING(blob) + start, end - start);
 }
 
-/* Append blob[start:end] as a held row to rows, a held request's [lengths, ids, fill] list:
- * its id count (little-endian int32) to the bytearray lengths, its bytes at ids[fill:], fill
- * then moved past them. ids is its request's buffer for a whole send period: where it is too
- * short it grows to room for reserve_rows rows like this one (or twice what it needs), so that a
- * request's buffer is allocated about once a period, not every few rows as appending to a
- * bytearray would (each growth a copy of the rows so far). */
+/* A held row whose room is made (its length's and its ids' places in its request's buffers) and
+ * whose bytes are written after the step's pass (write_held_rows). The buffers are named by
+ * object and offset, not by address: a later row of the same request in the pass (not expected,
+ * but not ruled out) may re-allocate them. */
+typedef struct {
+    PyObject *lengths, *ids; /* borrowed: held alive by their request's rows in held */
+    Py_ssize_t length_at, ids_at;
+    const char *src; /* in the step's blob */
+    Py_ssize_t size;
+} HeldRow;
+
+/* Make room for blob[start:end] as a held row in rows, a held request's [lengths, ids, fill]
+ * list: 4 bytes at the end of the bytearray lengths (its id count, little-endian int32), its
+ * bytes at ids[fill:], fill then moved past them; *row says where, for write_held_rows. ids is
+ * its request's buffer for a whole send period: where it is too short it grows to room for
+ * reserve_rows rows like this one (or twice what it needs), so that a request's buffer is
+ * allocated about once a period, not every few rows as appending to a bytearray would (each
+ * growth a copy of the rows so far).
+ *
+ * Each request's buffers lie apart in memory, mostly out of the CPU's caches by the next step;
+ * writing a row at once waits for its cache lines, one request after another. The room made,
+ * the lines are prefetched instead, all of a step's at once, and written after the pass. */
 static int
-hold_row(PyObject *rows, PyObject *blob, Py_ssize_t start, Py_ssize_t end, Py_ssize_t reserve_rows)
+make_held_row(PyObject *rows, PyObject *blob, Py_ssize_t start, Py_ssize_t end,
+              Py_ssize_t reserve_rows, HeldRow *row)
 {
     PyObject *lengths, *ids, *fill_obj;
     if (!PyList_CheckExact(rows) || PyList_GET_SIZE(rows) != 3
@@ -76,8 +93,8 @@ hold_row(PyObject *rows, PyObject *blob, Py_ssize_t start, Py_ssize_t end, Py_ss
                      PyBytes_GET_SIZE(blob));
         return -1;
     }
-    Py_ssize_t n = end - start, count = n >> 2;
-    if (count > 0x7fffffff) {
+    Py_ssize_t n = end - start;
+    if ((n >> 2) > 0x7fffffff) {
         PyErr_SetString(PyExc_OverflowError, "a row of more than 2**31 - 1 ids");
         return -1;
     }
@@ -92,15 +109,34 @@ hold_row(PyObject *rows, PyObject *blob, Py_ssize_t start, Py_ssize_t end, Py_ss
         Py_XDECREF(new_fill);
         return -1;
     }
-    unsigned char *length = (unsigned char *)PyByteArray_AS_STRING(lengths) + num_lengths;
-    length[0] = count & 0xff; /* little-endian whatever the host's order */
-    length[1] = (count >> 8) & 0xff;
-    length[2] = (count >> 16) & 0xff;
-    length[3] = (count >> 24) & 0xff;
-    memcpy(PyByteArray_AS_STRING(ids) + fill, PyBytes_AS_STRING(blob) + start, n);
     PyList_SET_ITEM(rows, 2, new_fill);
     Py_DECREF(fill_obj);
+    *row = (HeldRow){lengths, ids, num_lengths, fill, PyBytes_AS_STRING(blob) + start, n};
+#if defined(__GNUC__) || defined(__clang__)
+    char *at = PyByteArray_AS_STRING(ids) + fill;
+    for (Py_ssize_t line = 0; line < n; line += 64)
+        __builtin_prefetch(at + line, 1);
+    if (n > 0)
+        __builtin_prefetch(at + n - 1, 1); /* a row need not start at a line */
+    __builtin_prefetch(PyByteArray_AS_STRING(lengths) + num_lengths, 1);
+#endif
     return 0;
+}
+
+/* Write the held rows made room for by make_held_row: each one's length and bytes. */
+static void
+write_held_rows(const HeldRow *rows, Py_ssize_t num_rows)
+{
+    for (const HeldRow *row = rows; row < rows + num_rows; row++) {
+        Py_ssize_t count = row->size >> 2;
+        unsigned char *length = (unsigned char *)PyByteArray_AS_STRING(row->lengths)
+                                + row->length_at;
+        length[0] = count & 0xff; /* little-endian whatever the host's order */
+        length[1] = (count >> 8) & 0xff;
+        length[2] = (count >> 16) & 0xff;
+        length[3] = (count >> 24) & 0xff;
+        memcpy(PyByteArray_AS_STRING(row->ids) + row->ids_at, row->src, row->size);
+    }
 }
 
 /* 1 if output.finish_reason is not None, 0 if it is, -1 on error. */
@@ -115,10 +151,12 @@ has_finished(PyObject *output)
     return finished;
 }
 
-/* The rows of one output with one new token; 0, or -1 on error. */
+/* The rows of one output with one new token (a held one made room for at held_rows[0], and
+ * *num_held_rows counted); 0, or -1 on error. */
 static int
 hand_out_one(PyObject *output, PyObject *index, PyObject *held, PyObject *starts,
-             PyObject *ends, PyObject *blob, int flush, Py_ssize_t reserve_rows, PyObject *send)
+             PyObject *ends, PyObject *blob, int flush, Py_ssize_t reserve_rows, PyObject *send,
+             HeldRow *held_rows, Py_ssize_t *num_held_rows)
 {
     PyObject *request_id = slot_field(&output_fields, output, REQUEST_ID);
     if (request_id == NULL)
@@ -153,8 +191,9 @@ hand_out_one(PyObject *output, PyObject *index, PyObject *held, PyObject *starts
         Py_DECREF(row);
         return failed;
     }
-    if (hold_row(rows, blob, start, end, reserve_rows) < 0)
+    if (make_held_row(rows, blob, start, end, reserve_rows, held_rows) < 0)
         return -1;
+    ++*num_held_rows;
     int finished = flush ? 1 : has_finished(output);
     if (finished <= 0)
         return finished;
@@ -188,9 +227,12 @@ hand_out_rows(PyObject *self, PyObject *args)
         return NULL;
     }
     PyObject *several = PyList_New(0), *send = PyList_New(0);
-    if (several == NULL || send == NULL)
-        goto fail;
     int any_held = PyDict_GET_SIZE(held) > 0;
+    /* at most one held row an output: written after the pass (make_held_row) */
+    HeldRow *held_rows = any_held ? PyMem_New(HeldRow, PyList_GET_SIZE(outputs) + 1) : NULL;
+    Py_ssize_t num_held_rows = 0;
+    if (several == NULL || send == NULL || (any_held && held_rows == NULL))
+        goto fail;
     /* outputs may not change size while this runs: nothing here calls back into Python code
        that could reach it, but index it by its size at each step all the same. */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outputs); i++) {
@@ -205,7 +247,7 @@ hand_out_rows(PyObject *self, PyObject *args)
         int failed = num_new < 0;
         if (num_new == 1) {
             failed = hand_out_one(output, index, held, starts, ends, blob, flush, reserve_rows,
-                                  send) < 0;
+                                  send, held_rows + num_held_rows, &num_held_rows) < 0;
         } else if (num_new > 1) {
             failed = PyList_Append(several, output) < 0;
         } else if (num_new == 0 && any_held) {
@@ -216,13 +258,19 @@ hand_out_rows(PyObject *self, PyObject *args)
         if (failed)
             goto fail;
     }
+    write_held_rows(held_rows, num_held_rows);
+    PyMem_Free(held_rows);
     PyObject *result = PyTuple_Pack(2, several, send);
     Py_DECREF(several);
     Py_DECREF(send);
     return result;
-fail:
+fail: /* the rows before the failing output are held, as their buffers' lengths say */
+    write_held_rows(held_rows, num_held_rows);
+    PyMem_Free(held_rows);
     Py_XDECREF(several);
     Py_XDECREF(send);
+    if (!PyErr_Occurred())
+        PyErr_NoMemory();
     return NULL;
 }
 
