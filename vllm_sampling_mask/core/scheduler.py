@@ -248,12 +248,16 @@ def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
 
 
 def _hold_row(rows: HeldRows, view: memoryview, start: int, end: int) -> None:
-    """Write the row ``view[start:end]`` into a held request's buffers (the C loop's
-    ``hold_row``, which also makes ``ids`` room for a period's rows at once)."""
+    """Write the row ``view[start:end]`` into a held request's buffers, making ``ids`` room for
+    a period's rows where it is short, as the C loop does (``make_held_row``): written past its
+    end, a bytearray would grow, and copy the rows so far, every row or two."""
     lengths, ids, fill = rows
-    lengths += _ROW_LENGTH.pack((end - start) >> 2)
-    ids[fill : fill + end - start] = view[start:end]
-    rows[2] = fill + end - start
+    size = end - start
+    if fill + size > len(ids):
+        ids.extend(bytes(max(HELD_STEPS * size, 2 * (fill + size)) - len(ids)))
+    lengths += _ROW_LENGTH.pack(size >> 2)
+    ids[fill : fill + size] = view[start:end]
+    rows[2] = fill + size
 
 
 def _send_held_rows(output: Any, held: dict[str, HeldRows]) -> None:
