@@ -51,7 +51,7 @@ HeldRows = list  # [lengths: bytearray, ids: bytearray, fill: int]
 """A held request's rows since its last send, ``JoinedMaskRows``'s two fields as they fill:
 ``[lengths, ids, fill]``, each row's id count (little-endian int32) appended to ``lengths`` and
 its ids written at ``ids[fill:]`` (``fill`` then moved past them), in token order; ``ids`` is a
-buffer for the whole period, longer than ``fill`` (the C loop makes it room for ``HELD_STEPS``
+buffer for the whole period, longer than ``fill`` (both loops make it room for ``HELD_STEPS``
 rows at once) and cut to ``fill`` when sent. One buffer each, not a bytes object per row: a held
 row costs one copy, and a send no join (the message is these buffers), where appending to a
 growing buffer would copy a request's rows again every few steps."""
