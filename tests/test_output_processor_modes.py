@@ -79,8 +79,8 @@ EVERY_STEP = {"stop": ["<never in the text>"]}
 @dataclass
 class FakeEngineCore:
     """Emits engine-core outputs with recognisable rows; remembers every row it sent. Rows of
-    the requests in ``held`` are kept until their last output, which carries them all (a list),
-    as the scheduler does for FINAL_ONLY requests."""
+    the requests in ``held`` are kept until ``held_rows`` of them or their last output, which
+    carries them joined (``JoinedMaskRows``), as the scheduler does for FINAL_ONLY requests."""
 
     sent_rows: dict[str, list[Row]] = field(default_factory=dict)
     with_masks: bool = True
