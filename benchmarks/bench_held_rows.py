@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for _ in range(DRAWN_STEPS)]
     request_ids = [f"cmpl-{i:032x}-0" for i in range(R)]  # vLLM-like ids
     index = {rid: i for i, rid in enumerate(request_ids)}
-    held = {rid: scheduler_module.no_held_rows() for rid in request_ids}  # as add_request does
+    held = {rid: scheduler_module.new_held_rows() for rid in request_ids}  # as add_request does
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputsWithMasks)
     other_memory = np.zeros(args.evict_mb << 18, dtype=np.int32)
 

@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     from vllm_sampling_mask.core import scheduler as scheduler_module
     from vllm_sampling_mask.engine import output_processor as output_processor_module
-    from vllm_sampling_mask.core.scheduler import HELD_STEPS, wrap_update_from_output
+    from vllm_sampling_mask.core.scheduler import HELD_STEPS, new_held_rows, wrap_update_from_output
     from vllm_sampling_mask.patches import PATCHES
     from vllm_sampling_mask.patching import apply_patches
     from vllm_sampling_mask.engine.output_processor import (
@@ -254,16 +254,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     sched_output = SimpleNamespace(finished_req_ids=set())
 
     def scheduler_setup(held: bool = False, flush: bool = False) -> Any:
-        # held: FINAL_ONLY requests, whose rows stay in the scheduler until their last output;
+        # held: FINAL_ONLY requests, whose rows stay in the scheduler until their last output
         # (scheduler.HeldRows: each request's buffers, made room for HELD_STEPS rows at its
         # first), each request holding HELD_STEPS // 2 rows before the step; flush: the step that
         # sends them, HELD_STEPS - 1 rows before it (bench_held_rows.py times whole periods).
         earlier = HELD_STEPS - 1 if flush else HELD_STEPS // 2
-        held_rows = {
-            rid: [bytearray((len(row) >> 2).to_bytes(4, "little") * earlier),
-                  bytearray(row * earlier + bytes(len(row) * (HELD_STEPS - earlier))),
-                  len(row) * earlier]
-            for rid, row in zip(request_ids, map(step.row_bytes, range(R)) if held else ())}
+        held_rows = {}
+        for rid, row in zip(request_ids, map(step.row_bytes, range(R)) if held else ()):
+            held_rows[rid] = new_held_rows()
+            for _ in range(earlier):
+                held_rows[rid].hold(row)
         return Stub(sampling_mask_enabled=True, pending=scheduler_outputs(),
                     sampling_mask_held=held_rows, sampling_mask_steps=HELD_STEPS - 1 if flush else 0)
 

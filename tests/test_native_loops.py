@@ -16,6 +16,7 @@ import os
 import shutil
 import sysconfig
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from vllm_sampling_mask.engine.transport import EngineCoreOutputWithMask, Joined
 from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
 
 native = scheduler_module._hand_out_rows_native
+NativeHeldRows = scheduler_module._NativeHeldRows
 needs_native = pytest.mark.skipif(native is None, reason="core/_hand_out_native.c is not built")
 take_native = output_processor_module._take_rows_native
 needs_take_native = pytest.mark.skipif(take_native is None,
@@ -48,9 +50,10 @@ def test_the_c_loops_are_built_where_they_can_be() -> None:
 # --------------------------------------------------------------------------- the scheduler's
 
 
-def random_step(seed: int, num_requests: int = 64):
+def random_step(seed: int, held_rows_type: type, num_requests: int = 64):
     """One step: outputs (in an order other than the batch's), the step's rows, the batch
-    index, the held table (each held request with some earlier rows) and the flush flag."""
+    index, the held table (``held_rows_type`` objects: each held request with some earlier rows
+    and some room after them or none) and the flush flag."""
     rng = np.random.default_rng(seed)
     request_ids = [f"req-{seed}-{i}" for i in range(num_requests)]
     batch = rng.permutation(num_requests)
@@ -69,20 +72,60 @@ def random_step(seed: int, num_requests: int = 64):
         finish = FinishReason.STOP if kind.endswith("finish") else None
         outputs.append(EngineCoreOutputWithMask(rid, list(range(num_new)), finish_reason=finish))
         if kind.startswith("held"):  # some rows held already, some room left after them or not
-            earlier, room = int(rng.integers(0, 3)), int(rng.integers(0, 3)) * 4
-            held[rid] = [bytearray(earlier.to_bytes(4, "little") * earlier),
-                         bytearray(bytes([i]) * 4 * earlier + b"\xff" * room), 4 * earlier]
+            held[rid] = held_rows_type(int(rng.integers(1, 4)))
+            for _ in range(int(rng.integers(0, 3))):
+                held[rid].hold(bytes([i]) * 4 * int(rng.integers(0, 3)))
     return outputs, StepSamplingMasks.from_rows(rows), index, held, bool(rng.integers(0, 4) == 0)
 
 
-def rows_held(held: dict[str, list]) -> dict[str, tuple[bytes, bytes]]:
-    """The held table's rows: each request's lengths and ids up to its fill (the loops leave
-    their buffers with room of different sizes after them)."""
-    return {rid: (bytes(lengths), bytes(ids[:fill])) for rid, (lengths, ids, fill) in held.items()}
+@needs_native
+@pytest.mark.parametrize("reserve_rows", [1, 3, 64])
+def test_held_rows_in_c_hold_and_take_what_the_python_ones_do(reserve_rows: int) -> None:
+    """``HeldRows`` in C (the table's entries where the C loop is built) against its Python
+    reference, over many rows and takes: empty rows, rows wider than the room made, a take of
+    nothing, rows held again after a take, rows given as bytes or as a view of a step's bytes."""
+    rng = np.random.default_rng(reserve_rows)
+    both = (NativeHeldRows(reserve_rows), scheduler_module.HeldRows(reserve_rows))
+    for t in range(300):
+        if rng.integers(0, 20) == 0:
+            taken = [rows.take() for rows in both]
+            assert taken[0] == taken[1] and all(len(rows) == 0 for rows in both)
+            assert taken[0] is None or all(type(b) is bytearray for b in taken[0])
+            continue
+        width = int(rng.choice([0, 1, 50, int(rng.integers(0, 400))]))
+        row = rng.integers(0, 1 << 31, width).astype("<i4").tobytes()
+        if t % 2:
+            row = memoryview(b"\0" * 8 + row)[8:]
+        for rows in both:
+            rows.hold(row)
+        assert len(both[0]) == len(both[1]) > 0
+    assert both[0].take() == both[1].take() is not None
+
+
+@pytest.mark.parametrize("held_rows_type", [
+    pytest.param(lambda r: NativeHeldRows(r), marks=needs_native, id="c"),
+    pytest.param(lambda r: scheduler_module.HeldRows(r), id="python")])
+def test_held_rows_refuse_what_is_not_rows(held_rows_type) -> None:
+    """A row must be whole int32 ids (4 bytes each); room for no rows is refused."""
+    with pytest.raises(ValueError, match="reserve_rows must be at least 1"):
+        held_rows_type(0)
+    rows = held_rows_type(4)
+    rows.hold(bytes(4))
+    with pytest.raises(ValueError, match="a row of 6 bytes"):
+        rows.hold(bytes(6))
+    assert len(rows) == 1 and rows.take() == (bytearray(b"\1\0\0\0"), bytearray(4))
+
+
+def rows_held(held: dict[str, Any]) -> dict[str, tuple[bytes, bytes]]:
+    """The held table's rows, taken: each request's lengths and ids (cut to its rows)."""
+    return {rid: tuple(map(bytes, rows.take() or ((), ()))) for rid, rows in held.items()}
 
 
 def hand_out(loop_is_native: bool, seed: int, monkeypatch: pytest.MonkeyPatch):
-    outputs, step, index, held, flush = random_step(seed)
+    """One random step through the C loop (its held table of C ``HeldRows``) or the Python one
+    (of Python ``HeldRows``)."""
+    held_rows_type = NativeHeldRows if loop_is_native else scheduler_module.HeldRows
+    outputs, step, index, held, flush = random_step(seed, held_rows_type)
     monkeypatch.setattr(scheduler_module, "_hand_out_rows_native", native if loop_is_native else None)
     several = scheduler_module._hand_out_rows({0: EngineCoreOutputs(outputs=outputs)}, step,
                                               index, held, flush)
@@ -118,9 +161,9 @@ def test_a_row_outside_its_step_raises_instead_of_a_wrong_row(start: int, end: i
     """Python's slicing would clip a bad row silently; the C loop refuses it (a bug's sign)."""
     output = EngineCoreOutputWithMask("a", [1])
     # a negative start is only "opted out" if not held
-    held = {"a": scheduler_module.no_held_rows()} if start < 0 else {}
+    held = {"a": NativeHeldRows(64)} if start < 0 else {}
     with pytest.raises(IndexError, match="outside the step"):
-        native([output], {"a": 0}, held, [start], [end], bytes(16), False, 64)
+        native([output], {"a": 0}, held, [start], [end], bytes(16), False)
     assert output.sampling_mask is None and rows_held(held) == ({"a": (b"", b"")} if held else {})
 
 
@@ -129,18 +172,18 @@ def test_batch_rows_and_offsets_may_be_any_integers() -> None:
     """numpy integers read as Python's do (``__index__``), as the Python loop's indexing does."""
     output = EngineCoreOutputWithMask("a", [1])
     native([output], {"a": np.int64(1)}, {}, [np.int32(0), 4], [np.int64(4), 8], bytes(range(8)),
-           False, 64)
+           False)
     assert output.sampling_mask == bytes(range(4, 8))
     with pytest.raises(TypeError):
-        native([output], {"a": 0.0}, {}, [0], [4], bytes(4), False, 64)
+        native([output], {"a": 0.0}, {}, [0], [4], bytes(4), False)
 
 
 @needs_native
 def test_a_batch_row_past_the_step_and_an_unknown_request_raise() -> None:
     with pytest.raises(IndexError, match="batch row 3 of a step with 1 rows"):
-        native([EngineCoreOutputWithMask("a", [1])], {"a": 3}, {}, [0], [4], bytes(4), False, 64)
+        native([EngineCoreOutputWithMask("a", [1])], {"a": 3}, {}, [0], [4], bytes(4), False)
     with pytest.raises(KeyError, match="b"):
-        native([EngineCoreOutputWithMask("b", [1])], {"a": 0}, {}, [0], [4], bytes(4), False, 64)
+        native([EngineCoreOutputWithMask("b", [1])], {"a": 0}, {}, [0], [4], bytes(4), False)
 
 
 @needs_native
@@ -149,10 +192,10 @@ def test_held_rows_before_a_failing_output_are_written() -> None:
     a step's destinations prefetched at once); an output that fails the pass leaves the rows
     before it held, written, as their buffers' lengths and fill say."""
     blob = bytes(range(16))
-    held = {rid: scheduler_module.no_held_rows() for rid in ("a", "b")}
+    held = {rid: NativeHeldRows(64) for rid in ("a", "b")}
     outputs = [EngineCoreOutputWithMask(rid, [1]) for rid in ("a", "b", "unknown")]
     with pytest.raises(KeyError, match="unknown"):
-        native(outputs, {"a": 0, "b": 1}, held, [0, 4], [4, 12], blob, False, 64)
+        native(outputs, {"a": 0, "b": 1}, held, [0, 4], [4, 12], blob, False)
     assert rows_held(held) == {"a": (bytes([1, 0, 0, 0]), blob[:4]),
                                "b": (bytes([2, 0, 0, 0]), blob[4:12])}
 
@@ -176,21 +219,21 @@ def test_outputs_of_other_types_are_read_by_attribute_and_unset_fields_raise() -
                                sampling_mask=None),
                RenamedOutput("a", [1]),
                EngineCoreOutputWithMask("c", [1], finish_reason=FinishReason.STOP)]
-    held = {"c": scheduler_module.no_held_rows()}
+    held = {"c": NativeHeldRows(64)}
     several, send = native(outputs, {"a": 0, "b": 1, "c": 2}, held, [0, 4, 8], [4, 8, 12], blob,
-                           False, 64)
+                           False)
     assert [o.sampling_mask for o in outputs[:3]] == [blob[:4], blob[4:8], blob[4:8]]
-    assert several == [] and send == [outputs[3]] and bytes(held["c"][1][:4]) == blob[8:]
+    assert several == [] and send == [outputs[3]]
+    assert rows_held(held) == {"c": (b"\1\0\0\0", blob[8:])}
     for name in ("request_id", "new_token_ids"):
         output = EngineCoreOutputWithMask("a", [1])
         delattr(output, name)
         with pytest.raises(AttributeError, match=name):
-            native([output], {"a": 0}, {}, [0], [4], blob, False, 64)
+            native([output], {"a": 0}, {}, [0], [4], blob, False)
     output = EngineCoreOutputWithMask("a", [1])
     del output.finish_reason  # read for a held output only
     with pytest.raises(AttributeError, match="finish_reason"):
-        native([output], {"a": 0}, {"a": scheduler_module.no_held_rows()}, [0], [4], blob,
-               False, 64)
+        native([output], {"a": 0}, {"a": NativeHeldRows(64)}, [0], [4], blob, False)
 
 
 @needs_native
@@ -199,17 +242,12 @@ def test_the_c_loop_takes_only_the_types_it_was_written_for() -> None:
     with them anyway, the C loop raises TypeError rather than reading them as something else."""
     output = EngineCoreOutputWithMask("a", [1])
     with pytest.raises(TypeError):
-        native([output], {"a": 0}, {}, [0], [4], memoryview(bytes(4)), False, 64)
+        native([output], {"a": 0}, {}, [0], [4], memoryview(bytes(4)), False)
     with pytest.raises(TypeError):
         native([output], {"a": 0}, {}, np.zeros(1, dtype=np.int64), [4], bytes(4), False)
-    for rows in [[], (bytearray(), bytearray(), 0), [bytearray(), bytearray()],
-                 [bytearray(), b"", 0], [bytearray(), bytearray(), 0.0]]:
-        with pytest.raises(TypeError, match="must be a .lengths, ids, fill. list"):
-            native([output], {"a": 0}, {"a": rows}, [0], [4], bytes(4), False, 64)
-    for fill in (-1, 1):
-        with pytest.raises(ValueError, match=f"fill {fill} outside its 0 bytes"):
-            native([output], {"a": 0}, {"a": [bytearray(), bytearray(), fill]}, [0], [4],
-                   bytes(4), False, 64)
+    for rows in [[bytearray(), bytearray(), 0], scheduler_module.HeldRows(64), None]:
+        with pytest.raises(TypeError, match="must be a HeldRows of _hand_out_native"):
+            native([output], {"a": 0}, {"a": rows}, [0], [4], bytes(4), False)
 
 
 @needs_native
@@ -223,7 +261,8 @@ def test_held_rows_fill_their_buffers_over_steps_as_in_python(
     runs = {}
     for loop in (native, None):
         monkeypatch.setattr(scheduler_module, "_hand_out_rows_native", loop)
-        held = {rid: scheduler_module.no_held_rows() for rid in request_ids}
+        held = {rid: (NativeHeldRows if loop else scheduler_module.HeldRows)(64)
+                for rid in request_ids}
         sent = []
         for t in range(150):
             rows = [rng.integers(0, 1 << 31, int(rng.integers(0, 300))).astype("<i4").tobytes()

@@ -45,98 +45,223 @@ row_of(PyObject *blob, Py_ssize_t start, Py_ssize_t end)
     return PyBytes_FromStringAndSize(PyBytes_AS_STRING(blob) + start, end - start);
 }
 
-/* A held row whose room is made (its length's and its ids' places in its request's buffers) and
- * whose bytes are written after the step's pass (write_held_rows). The buffers are named by
- * object and offset, not by address: a later row of the same request in the pass (not expected,
- * but not ruled out) may re-allocate them. */
+/* A held request's rows since its last send (core.scheduler.HeldRows is the Python reference):
+ * each row's id count (little-endian int32) at lengths[4 * i], its bytes at ids[fill:], in token
+ * order, in two bytearrays with room after them (made for reserve_rows rows at a time, or twice
+ * what they hold), cut to their rows and handed over by take().
+ *
+ * One object a request, read by the hand-out pass alone: its buffers' addresses and sizes are
+ * kept here, so that a held row costs the pass this object's lines and its destinations', not a
+ * list, two bytearray objects and an int (one PyLong made a row) as the [lengths, ids, fill]
+ * list it replaces did. The bytearrays are this object's alone until take() hands them over,
+ * so nothing else resizes them under the kept addresses. */
 typedef struct {
-    PyObject *lengths, *ids; /* borrowed: held alive by their request's rows in held */
-    Py_ssize_t length_at, ids_at;
+    PyObject_HEAD
+    char *lengths_data, *ids_data; /* PyByteArray_AS_STRING of lengths and ids */
+    Py_ssize_t num_rows, rows_room; /* rows held; rows lengths has room for */
+    Py_ssize_t fill, ids_room;      /* bytes of ids written; bytes it has room for */
+    Py_ssize_t reserve_rows;
+    PyObject *lengths, *ids; /* bytearrays, or NULL before the first row and after take() */
+} HeldRowsObject;
+
+static PyTypeObject HeldRowsType;
+
+/* size bytes in *buffer (a bytearray made where NULL), its address in *data: 0, or -1. */
+static int
+resize_buffer(PyObject **buffer, char **data, Py_ssize_t size)
+{
+    if (*buffer == NULL && (*buffer = PyByteArray_FromStringAndSize(NULL, 0)) == NULL)
+        return -1;
+    if (PyByteArray_Resize(*buffer, size) < 0)
+        return -1;
+    *data = PyByteArray_AS_STRING(*buffer);
+    return 0;
+}
+
+/* Room in rows for one more row of size bytes: 0, or -1 with an exception set. Buffers grow to
+ * room for reserve_rows rows like this one (or twice what they need), so that a request's are
+ * allocated about once a send period, not every few rows as appending to a bytearray would (each
+ * growth a copy of the rows so far). */
+static int
+held_rows_make_room(HeldRowsObject *rows, Py_ssize_t size)
+{
+    if ((size >> 2) > 0x7fffffff || size % 4 != 0) {
+        PyErr_Format(PyExc_ValueError, "a row of %zd bytes: not a whole number of int32 ids, "
+                                       "or more than 2**31 - 1", size);
+        return -1;
+    }
+    if (rows->num_rows == rows->rows_room) {
+        Py_ssize_t room = rows->reserve_rows > 2 * (rows->num_rows + 1) ? rows->reserve_rows
+                                                                       : 2 * (rows->num_rows + 1);
+        if (resize_buffer(&rows->lengths, &rows->lengths_data, 4 * room) < 0)
+            return -1;
+        rows->rows_room = room;
+    }
+    if (rows->ids == NULL || rows->fill + size > rows->ids_room) { /* made for an empty row too */
+        Py_ssize_t need = rows->fill + size;
+        Py_ssize_t room = rows->reserve_rows * size > 2 * need ? rows->reserve_rows * size
+                                                               : 2 * need;
+        if (resize_buffer(&rows->ids, &rows->ids_data, room) < 0)
+            return -1;
+        rows->ids_room = room;
+    }
+    return 0;
+}
+
+/* Write a row of size bytes from src as row number `row` of rows, its bytes at ids_at. */
+static void
+held_rows_write(HeldRowsObject *rows, Py_ssize_t row, Py_ssize_t ids_at, const char *src,
+                Py_ssize_t size)
+{
+    Py_ssize_t count = size >> 2;
+    unsigned char *length = (unsigned char *)rows->lengths_data + 4 * row;
+    length[0] = count & 0xff; /* little-endian whatever the host's order */
+    length[1] = (count >> 8) & 0xff;
+    length[2] = (count >> 16) & 0xff;
+    length[3] = (count >> 24) & 0xff;
+    memcpy(rows->ids_data + ids_at, src, size);
+}
+
+static PyObject *
+held_rows_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"reserve_rows", NULL};
+    Py_ssize_t reserve_rows;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:HeldRows", keywords, &reserve_rows))
+        return NULL;
+    if (reserve_rows < 1) {
+        PyErr_SetString(PyExc_ValueError, "reserve_rows must be at least 1");
+        return NULL;
+    }
+    HeldRowsObject *rows = (HeldRowsObject *)type->tp_alloc(type, 0);
+    if (rows != NULL)
+        rows->reserve_rows = reserve_rows;
+    return (PyObject *)rows;
+}
+
+static void
+held_rows_dealloc(HeldRowsObject *rows)
+{
+    Py_XDECREF(rows->lengths);
+    Py_XDECREF(rows->ids);
+    Py_TYPE(rows)->tp_free((PyObject *)rows);
+}
+
+static Py_ssize_t
+held_rows_len(HeldRowsObject *rows)
+{
+    return rows->num_rows;
+}
+
+static PyObject *
+held_rows_hold(HeldRowsObject *rows, PyObject *row)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(row, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (held_rows_make_room(rows, view.len) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    held_rows_write(rows, rows->num_rows++, rows->fill, view.buf, view.len);
+    rows->fill += view.len;
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+held_rows_take(HeldRowsObject *rows, PyObject *Py_UNUSED(ignored))
+{
+    if (rows->num_rows == 0)
+        Py_RETURN_NONE;
+    if (PyByteArray_Resize(rows->lengths, 4 * rows->num_rows) < 0
+        || PyByteArray_Resize(rows->ids, rows->fill) < 0)
+        return NULL; /* the rows stay held, their room as it was */
+    PyObject *taken = PyTuple_Pack(2, rows->lengths, rows->ids);
+    if (taken == NULL)
+        return NULL;
+    Py_CLEAR(rows->lengths);
+    Py_CLEAR(rows->ids);
+    rows->lengths_data = rows->ids_data = NULL;
+    rows->num_rows = rows->rows_room = rows->fill = rows->ids_room = 0;
+    return taken;
+}
+
+static PyMethodDef held_rows_methods[] = {
+    {"hold", (PyCFunction)held_rows_hold, METH_O,
+     "hold(row): add a row (a bytes-like object: int32 little-endian ids)."},
+    {"take", (PyCFunction)held_rows_take, METH_NOARGS,
+     "take() -> (lengths, ids) | None: the rows held (two bytearrays cut to them), leaving none;\n"
+     "None where none are held."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods held_rows_as_sequence = {.sq_length = (lenfunc)held_rows_len};
+
+static PyTypeObject HeldRowsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "vllm_sampling_mask.core._hand_out_native.HeldRows",
+    .tp_doc = PyDoc_STR("HeldRows(reserve_rows): a held request's rows since its last send "
+                        "(see core.scheduler.HeldRows)."),
+    .tp_basicsize = sizeof(HeldRowsObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = held_rows_new,
+    .tp_dealloc = (destructor)held_rows_dealloc,
+    .tp_as_sequence = &held_rows_as_sequence,
+    .tp_methods = held_rows_methods,
+};
+
+/* A held row whose room is made during the pass (make_held_row) and whose bytes are written after
+ * it (write_held_rows), named by its request's rows and its place in them, not by address: a
+ * later row of the same request in the pass (not expected, but not ruled out) may move them. */
+typedef struct {
+    HeldRowsObject *rows; /* borrowed: held alive by held */
+    Py_ssize_t row, ids_at;
     const char *src; /* in the step's blob */
     Py_ssize_t size;
 } HeldRow;
 
-/* Make room for blob[start:end] as a held row in rows, a held request's [lengths, ids, fill]
- * list: 4 bytes at the end of the bytearray lengths (its id count, little-endian int32), its
- * bytes at ids[fill:], fill then moved past them; *row says where, for write_held_rows. ids is
- * its request's buffer for a whole send period: where it is too short it grows to room for
- * reserve_rows rows like this one (or twice what it needs), so that a request's buffer is
- * allocated about once a period, not every few rows as appending to a bytearray would (each
- * growth a copy of the rows so far).
+/* Make room in rows for blob[start:end] as its next row; *row says where, for write_held_rows.
  *
  * Each request's buffers lie apart in memory, mostly out of the CPU's caches by the next step;
  * writing a row at once waits for its cache lines, one request after another. The room made,
  * the lines are prefetched instead, all of a step's at once, and written after the pass. */
 static int
-make_held_row(PyObject *rows, PyObject *blob, Py_ssize_t start, Py_ssize_t end,
-              Py_ssize_t reserve_rows, HeldRow *row)
+make_held_row(PyObject *rows_obj, PyObject *blob, Py_ssize_t start, Py_ssize_t end, HeldRow *row)
 {
-    PyObject *lengths, *ids, *fill_obj;
-    if (!PyList_CheckExact(rows) || PyList_GET_SIZE(rows) != 3
-        || !PyByteArray_CheckExact(lengths = PyList_GET_ITEM(rows, 0))
-        || !PyByteArray_CheckExact(ids = PyList_GET_ITEM(rows, 1))
-        || !PyLong_CheckExact(fill_obj = PyList_GET_ITEM(rows, 2))) {
-        PyErr_SetString(PyExc_TypeError, "a held request's rows must be a [lengths, ids, fill] "
-                                         "list of two bytearrays and an int");
+    if (!Py_IS_TYPE(rows_obj, &HeldRowsType)) {
+        PyErr_SetString(PyExc_TypeError, "a held request's rows must be a HeldRows of "
+                                         "_hand_out_native (core.scheduler.new_held_rows)");
         return -1;
     }
-    Py_ssize_t fill = PyLong_AsSsize_t(fill_obj);
-    if (fill == -1 && PyErr_Occurred())
-        return -1;
-    if (fill < 0 || fill > PyByteArray_GET_SIZE(ids)) {
-        PyErr_Format(PyExc_ValueError, "a held request's fill %zd outside its %zd bytes", fill,
-                     PyByteArray_GET_SIZE(ids));
-        return -1;
-    }
+    HeldRowsObject *rows = (HeldRowsObject *)rows_obj;
     if (start < 0 || end < start || end > PyBytes_GET_SIZE(blob)) {
         PyErr_Format(PyExc_IndexError, "row [%zd, %zd) outside the step's %zd bytes", start, end,
                      PyBytes_GET_SIZE(blob));
         return -1;
     }
     Py_ssize_t n = end - start;
-    if ((n >> 2) > 0x7fffffff) {
-        PyErr_SetString(PyExc_OverflowError, "a row of more than 2**31 - 1 ids");
+    if (held_rows_make_room(rows, n) < 0)
         return -1;
-    }
-    if (fill + n > PyByteArray_GET_SIZE(ids)) {
-        Py_ssize_t room = reserve_rows * n > 2 * (fill + n) ? reserve_rows * n : 2 * (fill + n);
-        if (PyByteArray_Resize(ids, room) < 0)
-            return -1;
-    }
-    PyObject *new_fill = PyLong_FromSsize_t(fill + n);
-    Py_ssize_t num_lengths = PyByteArray_GET_SIZE(lengths);
-    if (new_fill == NULL || PyByteArray_Resize(lengths, num_lengths + 4) < 0) {
-        Py_XDECREF(new_fill);
-        return -1;
-    }
-    PyList_SET_ITEM(rows, 2, new_fill);
-    Py_DECREF(fill_obj);
-    *row = (HeldRow){lengths, ids, num_lengths, fill, PyBytes_AS_STRING(blob) + start, n};
+    *row = (HeldRow){rows, rows->num_rows++, rows->fill, PyBytes_AS_STRING(blob) + start, n};
+    rows->fill += n;
 #if defined(__GNUC__) || defined(__clang__)
-    char *at = PyByteArray_AS_STRING(ids) + fill;
+    char *at = rows->ids_data + row->ids_at;
     for (Py_ssize_t line = 0; line < n; line += 64)
         __builtin_prefetch(at + line, 1);
     if (n > 0)
         __builtin_prefetch(at + n - 1, 1); /* a row need not start at a line */
-    __builtin_prefetch(PyByteArray_AS_STRING(lengths) + num_lengths, 1);
+    __builtin_prefetch(rows->lengths_data + 4 * row->row, 1);
 #endif
     return 0;
 }
 
-/* Write the held rows made room for by make_held_row: each one's length and bytes. */
+/* Write the held rows made room for by make_held_row. */
 static void
 write_held_rows(const HeldRow *rows, Py_ssize_t num_rows)
 {
-    for (const HeldRow *row = rows; row < rows + num_rows; row++) {
-        Py_ssize_t count = row->size >> 2;
-        unsigned char *length = (unsigned char *)PyByteArray_AS_STRING(row->lengths)
-                                + row->length_at;
-        length[0] = count & 0xff; /* little-endian whatever the host's order */
-        length[1] = (count >> 8) & 0xff;
-        length[2] = (count >> 16) & 0xff;
-        length[3] = (count >> 24) & 0xff;
-        memcpy(PyByteArray_AS_STRING(row->ids) + row->ids_at, row->src, row->size);
-    }
+    for (const HeldRow *row = rows; row < rows + num_rows; row++)
+        held_rows_write(row->rows, row->row, row->ids_at, row->src, row->size);
 }
 
 /* 1 if output.finish_reason is not None, 0 if it is, -1 on error. */
@@ -155,7 +280,7 @@ has_finished(PyObject *output)
  * *num_held_rows counted); 0, or -1 on error. */
 static int
 hand_out_one(PyObject *output, PyObject *index, PyObject *held, PyObject *starts,
-             PyObject *ends, PyObject *blob, int flush, Py_ssize_t reserve_rows, PyObject *send,
+             PyObject *ends, PyObject *blob, int flush, PyObject *send,
              HeldRow *held_rows, Py_ssize_t *num_held_rows)
 {
     PyObject *request_id = slot_field(&output_fields, output, REQUEST_ID);
@@ -191,7 +316,7 @@ hand_out_one(PyObject *output, PyObject *index, PyObject *held, PyObject *starts
         Py_DECREF(row);
         return failed;
     }
-    if (make_held_row(rows, blob, start, end, reserve_rows, held_rows) < 0)
+    if (make_held_row(rows, blob, start, end, held_rows) < 0)
         return -1;
     ++*num_held_rows;
     int finished = flush ? 1 : has_finished(output);
@@ -201,14 +326,11 @@ hand_out_one(PyObject *output, PyObject *index, PyObject *held, PyObject *starts
 }
 
 PyDoc_STRVAR(hand_out_rows_doc,
-"hand_out_rows(outputs, index, held, starts, ends, blob, flush, reserve_rows)\n"
-"    -> (several, send)\n\n"
+"hand_out_rows(outputs, index, held, starts, ends, blob, flush) -> (several, send)\n\n"
 "For every output (a list of EngineCoreOutputWithMask) with one new token: set its\n"
 "sampling_mask to its row, blob[starts[r]:ends[r]] (r = index[request_id]; no row where\n"
-"starts[r] < 0: opted out), or, for a request in held (request id -> [lengths, ids, fill]),\n"
-"append the row's id count (int32 little-endian) to lengths and write its bytes at\n"
-"ids[fill:], growing ids to room for reserve_rows such rows where it is short.\n"
-"starts: tuple or list of int, ends: list of int, blob: bytes.\n"
+"starts[r] < 0: opted out), or, for a request in held (request id -> HeldRows), add the row\n"
+"to its HeldRows. starts: tuple or list of int, ends: list of int, blob: bytes.\n"
 "several: the outputs with more than one new token; send: the held requests' outputs that\n"
 "carry their rows now (flush, or a finish), in order, for _send_held_rows.");
 
@@ -217,10 +339,9 @@ hand_out_rows(PyObject *self, PyObject *args)
 {
     PyObject *outputs, *index, *held, *starts, *ends, *blob;
     int flush;
-    Py_ssize_t reserve_rows;
-    if (!PyArg_ParseTuple(args, "O!O!O!OO!O!pn:hand_out_rows", &PyList_Type, &outputs,
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!O!p:hand_out_rows", &PyList_Type, &outputs,
                           &PyDict_Type, &index, &PyDict_Type, &held, &starts, &PyList_Type,
-                          &ends, &PyBytes_Type, &blob, &flush, &reserve_rows))
+                          &ends, &PyBytes_Type, &blob, &flush))
         return NULL;
     if (!PyTuple_Check(starts) && !PyList_Check(starts)) {
         PyErr_SetString(PyExc_TypeError, "starts must be a tuple or a list");
@@ -246,8 +367,8 @@ hand_out_rows(PyObject *self, PyObject *args)
         }
         int failed = num_new < 0;
         if (num_new == 1) {
-            failed = hand_out_one(output, index, held, starts, ends, blob, flush, reserve_rows,
-                                  send, held_rows + num_held_rows, &num_held_rows) < 0;
+            failed = hand_out_one(output, index, held, starts, ends, blob, flush, send,
+                                  held_rows + num_held_rows, &num_held_rows) < 0;
         } else if (num_new > 1) {
             failed = PyList_Append(several, output) < 0;
         } else if (num_new == 0 && any_held) {
@@ -264,7 +385,7 @@ hand_out_rows(PyObject *self, PyObject *args)
     Py_DECREF(several);
     Py_DECREF(send);
     return result;
-fail: /* the rows before the failing output are held, as their buffers' lengths say */
+fail: /* the rows before the failing output are held, as their HeldRows say */
     write_held_rows(held_rows, num_held_rows);
     PyMem_Free(held_rows);
     Py_XDECREF(several);
@@ -290,7 +411,11 @@ PyInit__hand_out_native(void)
     static const char *const output_field_names[] = {"new_token_ids", "request_id",
                                                      "finish_reason", NULL};
     if (slot_fields_init(&output_fields, output_field_names) < 0
-        || (str_sampling_mask = PyUnicode_InternFromString("sampling_mask")) == NULL)
+        || (str_sampling_mask = PyUnicode_InternFromString("sampling_mask")) == NULL
+        || PyType_Ready(&HeldRowsType) < 0)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddObjectRef(m, "HeldRows", (PyObject *)&HeldRowsType) < 0)
+        Py_CLEAR(m);
+    return m;
 }

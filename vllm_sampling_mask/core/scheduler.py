@@ -10,10 +10,11 @@ opted out of masks have a ``None`` row and their outputs carry none.
 
 Rows of a request that ``config.rows_held_until_finish`` (FINAL_ONLY, no stop strings) are kept
 here, in ``Scheduler.sampling_mask_held``, each request's written into one buffer of ids and one
-of lengths (``HeldRows``), and sent together (``JoinedMaskRows``: those two buffers) with its
-last output and every ``HELD_STEPS`` steps (so that no message carries a long rollout's rows at
-once), so the frontend does nothing for them on most steps and takes each message's rows as one
-block; an aborted request's are dropped at the next step (``SchedulerOutput.finished_req_ids``).
+of lengths (``HeldRows``, or its C twin), and sent together (``JoinedMaskRows``: those two
+buffers) with its last output and every ``HELD_STEPS`` steps (so that no message carries a long
+rollout's rows at once), so the frontend does nothing for them on most steps and takes each
+message's rows as one block; an aborted request's are dropped at the next step
+(``SchedulerOutput.finished_req_ids``).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from vllm_sampling_mask.engine.transport import (
 )
 
 try:  # the same loop as _hand_out_rows_python in C: an optional extension (setup.py)
+    from vllm_sampling_mask.core._hand_out_native import HeldRows as _NativeHeldRows
     from vllm_sampling_mask.core._hand_out_native import hand_out_rows as _hand_out_rows_native
 except ImportError:  # installed without a C compiler
-    _hand_out_rows_native = None
+    _hand_out_rows_native = _NativeHeldRows = None
 
 if TYPE_CHECKING:
     from vllm_sampling_mask.worker.step_masks import StepSamplingMasks
@@ -47,14 +49,6 @@ logger = logging.getLogger("vllm_sampling_mask")
 
 
 _HELD_ATTR = "sampling_mask_held"
-HeldRows = list  # [lengths: bytearray, ids: bytearray, fill: int]
-"""A held request's rows since its last send, ``JoinedMaskRows``'s two fields as they fill:
-``[lengths, ids, fill]``, each row's id count (little-endian int32) appended to ``lengths`` and
-its ids written at ``ids[fill:]`` (``fill`` then moved past them), in token order; ``ids`` is a
-buffer for the whole period, longer than ``fill`` (both loops make it room for ``HELD_STEPS``
-rows at once) and cut to ``fill`` when sent. One buffer each, not a bytes object per row: a held
-row costs one copy, and a send no join (the message is these buffers), where appending to a
-growing buffer would copy a request's rows again every few steps."""
 _ROW_LENGTH = struct.Struct("<i")
 _STEPS_ATTR = "sampling_mask_steps"
 HELD_STEPS = 64
@@ -64,9 +58,56 @@ speculative decoding), and with each request's last output. The frontend keeps (
 for a request's end, where requests of equal length all end in the same step."""
 
 
-def no_held_rows() -> HeldRows:
-    """A held request's entry before its first row, and after each send."""
-    return [bytearray(), bytearray(), 0]
+class HeldRows:
+    """A held request's rows since its last send, ``JoinedMaskRows``'s two fields as they fill:
+    each row's id count (little-endian int32) appended to ``lengths`` and its ids written at
+    ``ids[fill:]``, in token order. ``ids`` has room for a period's rows (``reserve_rows`` rows
+    like the one that finds it short, or twice what it needs) and is cut to ``fill`` when taken.
+    One buffer each, not a bytes object per row: a held row costs one copy, and a send no join
+    (the message is these buffers), where appending to a growing buffer would copy a request's
+    rows again every few steps.
+
+    The Python reference of the C loop's ``_hand_out_native.HeldRows`` (``new_held_rows``),
+    which keeps the same rows behind one C object: the loop reads one object a held row."""
+
+    __slots__ = ("lengths", "ids", "fill", "reserve_rows")
+
+    def __init__(self, reserve_rows: int) -> None:
+        if reserve_rows < 1:
+            raise ValueError("reserve_rows must be at least 1")
+        self.reserve_rows = reserve_rows
+        self.lengths, self.ids, self.fill = bytearray(), bytearray(), 0
+
+    def __len__(self) -> int:
+        return len(self.lengths) >> 2
+
+    def hold(self, row: bytes | memoryview) -> None:
+        """Add ``row`` (int32 little-endian ids; a ``memoryview`` of the step's bytes)."""
+        size = len(row)
+        if size % 4 or (size >> 2) > 0x7FFFFFFF:
+            raise ValueError(f"a row of {size} bytes: not a whole number of int32 ids, "
+                             "or more than 2**31 - 1")
+        fill, ids = self.fill, self.ids
+        if fill + size > len(ids):  # written past its end, a bytearray grows a row at a time
+            ids.extend(bytes(max(self.reserve_rows * size, 2 * (fill + size)) - len(ids)))
+        self.lengths += _ROW_LENGTH.pack(size >> 2)
+        ids[fill : fill + size] = row
+        self.fill = fill + size
+
+    def take(self) -> tuple[bytearray, bytearray] | None:
+        """The rows held, ``(lengths, ids)`` cut to them, leaving none (``None``: none held)."""
+        if not self.lengths:
+            return None
+        lengths, ids = self.lengths, self.ids
+        del ids[self.fill :]
+        self.lengths, self.ids, self.fill = bytearray(), bytearray(), 0
+        return lengths, ids
+
+
+def new_held_rows() -> HeldRows:
+    """A held request's entry in the table: the C loop's ``HeldRows`` where that loop runs (the
+    only kind it takes), else the Python one; both make room for ``HELD_STEPS`` rows at once."""
+    return (HeldRows if _hand_out_rows_native is None else _NativeHeldRows)(HELD_STEPS)
 
 
 def wrap_init(original: Any) -> Any:
@@ -96,7 +137,7 @@ def wrap_add_request(original: Any) -> Any:
         params = request.sampling_params
         if (held is not None and params is not None and request_wants_masks(params)
                 and rows_held_until_finish(params, request.resumable)):
-            held.setdefault(request.request_id, no_held_rows())
+            held.setdefault(request.request_id, new_held_rows())
 
     return add_request
 
@@ -167,7 +208,7 @@ def _hand_out_rows(outputs: dict[int, Any], step: StepSamplingMasks, index: dict
     several: list[Any] = []
     for engine_core_outputs in outputs.values():
         more, send = native(engine_core_outputs.outputs, index, held, step.starts, step.ends,
-                            step.blob, flush, HELD_STEPS)
+                            step.blob, flush)
         several += more
         for output in send:
             _send_held_rows(output, held)
@@ -195,7 +236,7 @@ def _hand_out_rows_python(outputs: dict[int, Any], step: StepSamplingMasks,
                     # Held requests want masks (the sampler's and this table's test is the same
                     # ``request_wants_masks``), so their rows are never opted-out ones: no
                     # ``starts[r] < 0`` check for them.
-                    _hold_row(rows, view, starts[r], ends[r])
+                    rows.hold(view[starts[r] : ends[r]])
                     if flush or output.finish_reason is not None:
                         _send_held_rows(output, held)
                     continue
@@ -241,44 +282,27 @@ def _hand_out_row_groups(outputs: dict[int, Any], step: StepSamplingMasks,
                 output.sampling_mask = rows[0] if num_new == 1 else rows
                 continue
             for j in range(first, first + num_new):
-                _hold_row(earlier, view, starts[j], ends[j])
+                earlier.hold(view[starts[j] : ends[j]])
             if flush or output.finish_reason is not None:
                 _send_held_rows(output, held)
     return too_many
 
 
-def _hold_row(rows: HeldRows, view: memoryview, start: int, end: int) -> None:
-    """Write the row ``view[start:end]`` into a held request's buffers, making ``ids`` room for
-    a period's rows where it is short, as the C loop does (``make_held_row``): written past its
-    end, a bytearray would grow, and copy the rows so far, every row or two."""
-    lengths, ids, fill = rows
-    size = end - start
-    if fill + size > len(ids):
-        ids.extend(bytes(max(HELD_STEPS * size, 2 * (fill + size)) - len(ids)))
-    lengths += _ROW_LENGTH.pack(size >> 2)
-    ids[fill : fill + size] = view[start:end]
-    rows[2] = fill + size
-
-
 def _send_held_rows(output: Any, held: dict[str, HeldRows]) -> None:
-    """``output`` carries its held request's rows so far; a request that goes on starts new
-    buffers (the message keeps the old ones)."""
-    rows = held.pop(output.request_id, None)
-    if rows is not None and output.finish_reason is None:
-        held[output.request_id] = no_held_rows()
-    joined = _joined(rows)
+    """``output`` carries its held request's rows so far; a request that goes on keeps its
+    (emptied) entry, a finished one leaves the table."""
+    if output.finish_reason is None:
+        joined = _joined(held.get(output.request_id))
+    else:
+        joined = _joined(held.pop(output.request_id, None))
     if joined is not None:
         output.sampling_mask = joined
 
 
 def _joined(rows: HeldRows | None) -> JoinedMaskRows | None:
-    """The message part of a held request's rows, its buffer cut to them (``None``: it holds
-    none)."""
-    if rows is None or not rows[0]:
-        return None
-    lengths, ids, fill = rows
-    del ids[fill:]
-    return JoinedMaskRows(lengths, ids)
+    """The message part of a held request's rows, taken from it (``None``: it holds none)."""
+    taken = None if rows is None else rows.take()
+    return None if taken is None else JoinedMaskRows(*taken)
 
 
 def _step_problem(step: StepSamplingMasks | None, num_batch_rows: int) -> str | None:
