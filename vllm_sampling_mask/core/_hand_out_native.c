@@ -174,9 +174,13 @@ held_rows_take(HeldRowsObject *rows, PyObject *Py_UNUSED(ignored))
 {
     if (rows->num_rows == 0)
         Py_RETURN_NONE;
-    if (PyByteArray_Resize(rows->lengths, 4 * rows->num_rows) < 0
-        || PyByteArray_Resize(rows->ids, rows->fill) < 0)
-        return NULL; /* the rows stay held, their room as it was */
+    /* Cut to the rows; where a cut fails the rows stay held, the room kept as it now is. */
+    if (resize_buffer(&rows->lengths, &rows->lengths_data, 4 * rows->num_rows) < 0)
+        return NULL;
+    rows->rows_room = rows->num_rows;
+    if (resize_buffer(&rows->ids, &rows->ids_data, rows->fill) < 0)
+        return NULL;
+    rows->ids_room = rows->fill;
     PyObject *taken = PyTuple_Pack(2, rows->lengths, rows->ids);
     if (taken == NULL)
         return NULL;
