@@ -190,7 +190,7 @@ def test_a_batch_row_past_the_step_and_an_unknown_request_raise() -> None:
 def test_held_rows_before_a_failing_output_are_written() -> None:
     """The C loop makes a held row's room during its pass and writes the bytes after it (all of
     a step's destinations prefetched at once); an output that fails the pass leaves the rows
-    before it held, written, as their buffers' lengths and fill say."""
+    before it held, written, as their HeldRows say."""
     blob = bytes(range(16))
     held = {rid: NativeHeldRows(64) for rid in ("a", "b")}
     outputs = [EngineCoreOutputWithMask(rid, [1]) for rid in ("a", "b", "unknown")]
