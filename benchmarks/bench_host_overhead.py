@@ -270,13 +270,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     def scheduler_step(sched: Any) -> Any:
         return update(sched, sched_output, runner_output)
 
-    def python_loop(module: Any, attr: str, run: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """``run`` with ``module.attr``, a C loop, set aside: its Python reference runs."""
-        def run_python(state: Any) -> Any:
+    def python_loop(module: Any, attr: str, run: Callable[..., Any]) -> Callable[..., Any]:
+        """``run`` with ``module.attr``, a C loop, set aside: its Python reference runs (and a
+        held table made by ``run`` holds the Python loop's ``HeldRows``)."""
+        def run_python(*args: Any) -> Any:
             native = getattr(module, attr)
             setattr(module, attr, None)
             try:
-                return run(state)
+                return run(*args)
             finally:
                 setattr(module, attr, native)
         return run_python
@@ -287,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "scheduler": (scheduler_step, scheduler_setup),
         # with the C loop built, its Python reference alone beside it (not in the totals)
         **({"scheduler_python": (scheduler_step_python, scheduler_setup),
-            "scheduler_held_python": (scheduler_step_python, lambda: scheduler_setup(held=True))}
+            "scheduler_held_python": (scheduler_step_python, python_loop(
+                scheduler_module, "_hand_out_rows_native", lambda: scheduler_setup(held=True)))}
            if hand_out_loop == "c" else {}),
     })
     timed_together({  # the flush's share is their difference
