@@ -51,10 +51,9 @@ row_of(PyObject *blob, Py_ssize_t start, Py_ssize_t end)
  * what they hold), cut to their rows and handed over by take().
  *
  * One object a request, read by the hand-out pass alone: its buffers' addresses and sizes are
- * kept here, so that a held row costs the pass this object's lines and its destinations', not a
- * list, two bytearray objects and an int (one PyLong made a row) as the [lengths, ids, fill]
- * list it replaces did. The bytearrays are this object's alone until take() hands them over,
- * so nothing else resizes them under the kept addresses. */
+ * kept here, so that a held row costs the pass this object's lines and its destinations' (the
+ * bytearray objects are not read, no int object is made). The bytearrays are this object's
+ * alone until take() hands them over, so nothing else resizes them under the kept addresses. */
 typedef struct {
     PyObject_HEAD
     char *lengths_data, *ids_data; /* PyByteArray_AS_STRING of lengths and ids */
