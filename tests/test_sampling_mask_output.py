@@ -17,14 +17,7 @@ def wire(rows: list[list[int]]) -> SamplingMask:
     return SamplingMask.from_wire([len(row) for row in rows], blob)
 
 
-def blocks(rows: list[list[int]]) -> SamplingMask:
-    """The rows in blocks of at most two rows each (as a held request's messages bring them)."""
-    parts = [np.array([i for row in rows[j:j + 2] for i in row], dtype="<i4").tobytes()
-             for j in range(0, len(rows), 2)]
-    return SamplingMask.from_wire_blocks([len(row) for row in rows], parts)
-
-
-@pytest.mark.parametrize("make", [wire, blocks, SamplingMask], ids=["wire", "blocks", "lists"])
+@pytest.mark.parametrize("make", [wire, SamplingMask], ids=["wire", "lists"])
 def test_rows_and_csr_agree(make) -> None:
     mask = make([list(row) for row in ROWS])
     lengths, ids = mask.csr()
@@ -43,26 +36,6 @@ def test_a_single_wire_row(row: list[int]) -> None:
     assert mask.csr()[0].tolist() == [len(row)] and mask.csr()[1].tolist() == row
     assert mask.token_ids == [row]
     assert pickle.loads(pickle.dumps(mask)) == mask
-
-
-@pytest.mark.parametrize("read", ["csr", "token_ids", "pickle", "concat"])
-def test_a_mask_in_blocks_reads_as_the_joined_rows(read: str) -> None:
-    """Blocks are joined on a mask's first read, whichever it is, into the rows' int32 bytes;
-    one block of bytes is the mask's bytes as it is, and a bytearray block (an engine core in
-    the frontend's process hands its own buffers over) is joined into bytes too: the mask is not
-    a live one (``from_wire`` of a bytearray), which ``csr`` would copy on every read."""
-    mask = blocks(ROWS)
-    assert len(mask) == 3 and mask._blob.__class__ is tuple
-    value = {"csr": lambda: mask.csr()[1].tolist(), "token_ids": lambda: mask.token_ids,
-             "pickle": lambda: pickle.loads(pickle.dumps(mask)).token_ids,
-             "concat": lambda: SamplingMask.concat([mask, wire([[4]])]).token_ids[:3]}[read]()
-    assert value in (ROWS, [3, 7, 2**31 - 1, 0])
-    assert mask.token_ids == ROWS and mask.csr()[1].tolist() == [3, 7, 2**31 - 1, 0]
-    one = np.array([5, 6], dtype="<i4").tobytes()
-    assert SamplingMask.from_wire_blocks([2], [one])._blob is one
-    joined = SamplingMask.from_wire_blocks([2], [bytearray(one)])
-    assert joined.csr()[1].tolist() == [5, 6] and joined._blob.__class__ is bytes
-    assert SamplingMask.from_wire_blocks([], []).token_ids == []
 
 
 def test_concat_stays_undecoded_and_mixes_with_lists() -> None:

@@ -37,8 +37,7 @@ class SamplingMask:
     def __init__(self, token_ids: list[list[int]] | None = None) -> None:
         self._rows: list[list[int]] | None = [] if token_ids is None else token_ids
         self._row_lengths: Sequence[int] | None = None
-        # the rows as int32 bytes; a tuple of blocks to join on first read (from_wire_blocks)
-        self._blob: bytes | bytearray | tuple[bytes, ...] | None = None
+        self._blob: bytes | bytearray | None = None
         self._varint: bytes | None = None  # the rows as delta_varint_payload (_blob is None)
 
     @classmethod
@@ -47,18 +46,6 @@ class SamplingMask:
         (decoded lazily). A ``bytearray`` blob (with its lengths) is read live: rows appended to
         both later are part of the mask."""
         mask = cls.__new__(cls)
-        mask._rows, mask._row_lengths, mask._blob, mask._varint = None, row_lengths, blob, None
-        return mask
-
-    @classmethod
-    def from_wire_blocks(cls, row_lengths: Sequence[int], blocks: Sequence[bytes]) -> SamplingMask:
-        """``from_wire(row_lengths, b"".join(blocks))``, the blocks joined when the rows are
-        first read: a FINAL_ONLY request's rows reach the frontend in blocks (one a message of
-        held rows), and joining them as the request finishes would copy every id once more in
-        the frontend's loop, which bounds the engine with ``logprobs``; the mask's first read
-        (``csr``, ``token_ids``, pickling) pays it instead, once."""
-        mask = cls.__new__(cls)
-        blob = blocks[0] if len(blocks) == 1 and blocks[0].__class__ is bytes else tuple(blocks)
         mask._rows, mask._row_lengths, mask._blob, mask._varint = None, row_lengths, blob, None
         return mask
 
@@ -84,7 +71,7 @@ class SamplingMask:
         """The rows of ``masks``, in order (stays undecoded if every one holds int32 bytes)."""
         if all(mask._blob is not None and mask._rows is None for mask in masks):
             return cls.from_wire([n for mask in masks for n in mask._row_lengths],
-                                 b"".join([mask._wire() for mask in masks]))
+                                 b"".join(mask._blob for mask in masks))
         return cls([row for mask in masks for row in mask.token_ids])
 
     @property
@@ -101,19 +88,12 @@ class SamplingMask:
     def token_ids(self, rows: list[list[int]]) -> None:
         self._rows, self._row_lengths, self._blob, self._varint = rows, None, None, None
 
-    def _wire(self) -> bytes | bytearray:
-        """``_blob``, its blocks joined first where it holds them (``from_wire_blocks``)."""
-        blob = self._blob
-        if blob.__class__ is tuple:
-            blob = self._blob = b"".join(blob)
-        return blob
-
     def _decode(self) -> None:
         """Decode the rows not decoded yet; keep the bytes only while they are live."""
         rows = [] if self._rows is None else self._rows
         lengths = self._row_lengths
         start = 4 * sum(lengths[: len(rows)])
-        flat = np.frombuffer(self._wire(), dtype="<i4", offset=start).tolist()
+        flat = np.frombuffer(self._blob, dtype="<i4", offset=start).tolist()
         offset = 0
         for length in lengths[len(rows):]:
             rows.append(flat[offset:offset + length])
@@ -135,8 +115,7 @@ class SamplingMask:
                     decode_delta_varint_payload(self._row_lengths, self._varint))
         if self._blob is not None:
             # A live buffer is copied: a view would stop the request from appending to it.
-            blob = self._wire()
-            blob = bytes(blob) if isinstance(blob, bytearray) else blob
+            blob = bytes(self._blob) if isinstance(self._blob, bytearray) else self._blob
             return (np.asarray(self._row_lengths, dtype=np.int64),
                     np.frombuffer(blob, dtype="<i4").astype(np.int32, copy=False))
         rows = self._rows
@@ -171,7 +150,7 @@ class SamplingMask:
             return self._rows, None, None
         if self._rows is not None and len(self._rows) == len(self._row_lengths):
             return self._rows, None, None
-        return None, list(self._row_lengths), bytes(self._wire())  # a live mask: as it is now
+        return None, list(self._row_lengths), bytes(self._blob)  # a live mask, as it is now
 
     def __setstate__(self, state: tuple[list[list[int]] | None, list[int] | None,
                                         bytes | None]) -> None:

@@ -216,9 +216,9 @@ class RequestMaskRows:
             blob = delta_varint_as_int32le(lengths, blob)
         elif self.blocks is not None:
             lengths = self.lengths.tolist() + [len(row) >> 2 for row in self.pending]
-            if len(lengths) == num_rows:  # every row: the blocks are the mask's (no copy here)
-                return SamplingMask.from_wire_blocks(lengths, [*self.blocks, *self.pending])
             blob = b"".join([*self.blocks, *self.pending])
+            if len(lengths) == num_rows:  # every row: the join is the mask's own (no copy)
+                return SamplingMask.from_wire(lengths, blob)
         else:
             lengths, blob = self.lengths.tolist(), self.blob
         dropped = len(lengths) - num_rows
