@@ -136,6 +136,7 @@ tests_path="$PWD:$PWD/tests:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}"
 # 64 MiB carry limit beside the repo: carry .vstage4 in a call of its own that copies it to
 # /root/vstage4, and copy it back to .vstage4 in the call that runs a group).
 # (A copy of the whole JIT cache did not work: ninja rebuilt it against this machine's paths.)
+# benchmarks/build_flashinfer_aot.sh builds the same two files without a GPU (the dev machine).
 # Not under SMALL=1, which runs on the dev machine's own FlashInfer.
 if [ -z "$small" ] && compgen -G ".vstage4/*.so.xz" > /dev/null; then
   aot=$(package_dir flashinfer) || exit 1
